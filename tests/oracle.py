@@ -1,0 +1,86 @@
+"""Independent oracles for the tests: FP64 attention over a paged cache and an exact E4M3
+encoder, written from the format's definition rather than from torch's conversions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def e4m3_table() -> np.ndarray:
+    """float64 value of every E4M3FN byte (bias 7, no infinities, 0x7F/0xFF NaN)."""
+    vals = np.empty(256)
+    for b in range(256):
+        s, e, m = b >> 7, (b >> 3) & 0xF, b & 7
+        if e == 0xF and m == 7:
+            v = np.nan
+        elif e == 0:
+            v = m / 8 * 2.0**-6
+        else:
+            v = (1 + m / 8) * 2.0 ** (e - 7)
+        vals[b] = -v if s else v
+    return vals
+
+
+_TABLE = e4m3_table()
+_POS = _TABLE[:0x7F]  # codes 0x00..0x7E: the non-negative finite values, increasing
+
+
+def decode_e4m3(t: torch.Tensor) -> torch.Tensor:
+    """float64 tensor of the values of a float8_e4m3fn tensor (by table, not by torch)."""
+    codes = t.contiguous().view(torch.uint8).cpu().numpy()
+    return torch.from_numpy(_TABLE[codes])
+
+
+def encode_e4m3(x32: np.ndarray) -> np.ndarray:
+    """Bytes of float32 values: saturate to +-448, round to nearest, ties to the even code."""
+    x = x32.astype(np.float64)  # exact: every float32 and every midpoint below is exact
+    sign = np.signbit(x).astype(np.uint8) << 7
+    a = np.abs(x)
+    hi = np.searchsorted(_POS, a, side="left").clip(1, 0x7E)  # _POS[hi-1] < a <= _POS[hi]
+    lo = hi - 1
+    d_lo, d_hi = a - _POS[lo], _POS[hi] - a
+    code = np.where(d_lo < d_hi, lo, np.where(d_hi < d_lo, hi, np.where(lo % 2 == 0, lo, hi)))
+    code = np.where(a >= 448.0, 0x7E, code)
+    code = np.where(a == 0, 0, code)
+    code = np.where(np.isnan(x), 0x7F, code)
+    return (code.astype(np.uint8) | sign).astype(np.uint8)
+
+
+def attention_fp64(query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale):
+    """FP64 paged attention with explicit per-position gathers; returns float64 [B,H_q,Q,D]."""
+    B, H_q, Q, D = query.shape
+    _, page_size, H_kv, _ = key_cache.shape
+    G = H_q // H_kv
+    ks = k_scale.double().cpu().reshape(-1).expand(H_kv)
+    vs = v_scale.double().cpu().reshape(-1).expand(H_kv)
+    bt = block_table.cpu().tolist()
+    out = torch.zeros(B, H_q, Q, D, dtype=torch.float64)
+    for b, L in enumerate(seq_lens.cpu().tolist()):
+        if L <= 0:
+            continue
+        pages = [bt[b][t // page_size] for t in range(L)]
+        offs = [t % page_size for t in range(L)]
+        k = decode_e4m3(key_cache[pages, offs]) * ks[None, :, None]  # [L, H_kv, D]
+        v = decode_e4m3(value_cache[pages, offs]) * vs[None, :, None]
+        for h in range(H_q):
+            kv = h // G
+            q = query[b, h].double().cpu()  # [Q, D]
+            s = (q @ k[:, kv].T) * scale  # [Q, L]
+            for r in range(Q):
+                n = L - Q + r + 1  # positions 0..n-1 visible
+                if n <= 0:
+                    continue
+                p = torch.softmax(s[r, :n], dim=0)
+                out[b, h, r] = p @ v[:n, kv]
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in FP64; NaN anywhere gives inf (NaN never passes)."""
+    out = out.double().cpu()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    den = ref.norm().item()
+    return (out - ref).norm().item() / den if den > 0 else (out - ref).norm().item()

@@ -1,0 +1,86 @@
+"""Random paged-attention problems for the tests (CPU and CUDA)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_problem(
+    B=2,
+    H_kv=2,
+    G=2,
+    Q=1,
+    D=64,
+    page_size=16,
+    lens=None,
+    *,
+    layout="separate",  # "separate", "interleaved" ([P, ps, H, 2, D]) or "kv_first" ([P, 2, ps, H, D])
+    per_head_scale=True,
+    transposed_query=False,
+    extra_pages=1,
+    device="cpu",
+    seed=0,
+):
+    """Inputs of paged_attention as a dict, with shuffled pages and junk in unused table
+    slots (-1 and out-of-range ids), so that anything read beyond seq_lens shows up."""
+    gen = torch.Generator().manual_seed(seed)
+    if lens is None:
+        lens = torch.randint(Q, 3 * page_size + Q + 1, (B,), generator=gen).tolist()
+    need = [-(-max(L, 0) // page_size) for L in lens]
+    max_pages = max(need + [1]) + extra_pages
+    P = sum(need) + 3
+    perm = torch.randperm(P, generator=gen)
+    bt = torch.where(torch.arange(max_pages) % 2 == 0, -1, P + 5).repeat(B, 1).int()
+    i = 0
+    for b, n in enumerate(need):
+        bt[b, :n] = perm[i : i + n].int()
+        i += n
+
+    def fp8(shape):
+        # N(0, 8) codes: dequantized with a scale near 1/8, K and V are about N(0, 1).
+        return (torch.randn(shape, generator=gen) * 8).to(torch.float8_e4m3fn)
+
+    dev = torch.device(device)
+    if layout == "separate":
+        kc, vc = fp8((P, page_size, H_kv, D)).to(dev), fp8((P, page_size, H_kv, D)).to(dev)
+    elif layout == "interleaved":
+        kv = fp8((P, page_size, H_kv, 2, D)).to(dev)
+        kc, vc = kv[:, :, :, 0], kv[:, :, :, 1]
+    elif layout == "kv_first":
+        kv = fp8((P, 2, page_size, H_kv, D)).to(dev)
+        kc, vc = kv[:, 0], kv[:, 1]
+    else:
+        raise ValueError(layout)
+    n_scale = H_kv if per_head_scale else 1
+    ks = (torch.rand(n_scale, generator=gen) * 0.1 + 0.08).float()
+    vs = (torch.rand(n_scale, generator=gen) * 0.1 + 0.08).float()
+    if not per_head_scale:
+        ks, vs = ks.reshape(()), vs.reshape(())
+    if transposed_query:
+        q = torch.randn(B, Q, H_kv * G, D, generator=gen).half().to(dev).transpose(1, 2)
+    else:
+        q = torch.randn(B, H_kv * G, Q, D, generator=gen).half().to(dev)
+    return dict(
+        query=q,
+        key_cache=kc,
+        value_cache=vc,
+        block_table=bt.to(dev),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        scale=D**-0.5,
+        k_scale=ks.to(dev),
+        v_scale=vs.to(dev),
+    )
+
+
+def op_args(p):
+    """Positional arguments of torch.ops.sm70attn.paged_attention for a problem dict."""
+    return (
+        p["query"],
+        p["key_cache"],
+        p["value_cache"],
+        p["block_table"],
+        p["seq_lens"],
+        p["scale"],
+        p["k_scale"],
+        p["v_scale"],
+    )

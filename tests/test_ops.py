@@ -1,0 +1,334 @@
+"""Operator contracts: opcheck, fake kernels, input errors, value checks, routes."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from problems import make_problem, op_args
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torch_sm70attn as sa
+from torch_sm70attn import routes
+
+UTILS = (
+    "test_schema",
+    "test_autograd_registration",
+    "test_faketensor",
+    "test_aot_dispatch_dynamic",
+)
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture
+def fp8_aware_allclose(monkeypatch):
+    """opcheck's schema check compares inputs before and after the call with
+    torch.allclose, which has no float8 kernels: compare float8 tensors bit for bit."""
+    allclose = torch.allclose
+
+    def patched(a, b, *args, **kw):
+        if a.dtype in (FP8, torch.float8_e5m2) or b.dtype in (FP8, torch.float8_e5m2):
+            return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return allclose(a, b, *args, **kw)
+
+    monkeypatch.setattr(torch, "allclose", patched)
+
+
+def store_args(seed=0, T=7):
+    p = make_problem(G=1, D=64, page_size=16, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(T, 2, 64, generator=g).half() * 5
+    v = torch.randn(T, 2, 64, generator=g).half() * 5
+    P, ps = p["key_cache"].shape[:2]
+    slots = torch.randperm(P * ps, generator=g)[:T]
+    slots[1] = -1
+    return (
+        k,
+        v,
+        p["key_cache"].clone(),
+        p["value_cache"].clone(),
+        slots,
+        p["k_scale"],
+        p["v_scale"],
+    )
+
+
+@pytest.mark.parametrize("util", UTILS)
+@pytest.mark.parametrize("case", ["decode", "verify", "interleaved", "transposed"])
+def test_opcheck_paged_attention(fp8_aware_allclose, util, case):
+    kw = dict(
+        decode=dict(Q=1, G=6),
+        verify=dict(Q=8, G=2, lens=[3, 40]),
+        interleaved=dict(Q=2, layout="interleaved"),
+        transposed=dict(Q=4, transposed_query=True),
+    )[case]
+    p = make_problem(D=64, page_size=16, **kw)
+    torch.library.opcheck(torch.ops.sm70attn.paged_attention.default, op_args(p), test_utils=util)
+
+
+@pytest.mark.parametrize("util", UTILS)
+def test_opcheck_store_kv(fp8_aware_allclose, util):
+    torch.library.opcheck(torch.ops.sm70attn.store_kv.default, store_args(), test_utils=util)
+
+
+@pytest.mark.parametrize("util", UTILS)
+def test_opcheck_verifier_mask(util):
+    sl = torch.tensor([0, 5, 17], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.sm70attn.verifier_mask.default, (sl, 4, 20), test_utils=util)
+
+
+def test_fake_matches_real_metadata():
+    for kw in (dict(Q=1, G=6), dict(Q=8, transposed_query=True), dict(layout="kv_first", Q=3)):
+        p = make_problem(D=64, **kw)
+        real = torch.ops.sm70attn.paged_attention(*op_args(p))
+        with FakeTensorMode() as mode:
+            fake_args = [
+                mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in op_args(p)
+            ]
+            fake = torch.ops.sm70attn.paged_attention(*fake_args)
+        assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+    sl = torch.tensor([3, 9], dtype=torch.int32)
+    real = sa.verifier_mask(sl, 4, 11)
+    with FakeTensorMode() as mode:
+        fake = sa.verifier_mask(mode.from_tensor(sl), 4, 11)
+    assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+
+
+# --- input errors: each bad argument gets its own error, naming it ---------------------
+def _bad(name):
+    p = make_problem(H_kv=2, G=2, Q=2, D=64, page_size=16, lens=[5, 20])
+    q, kc, vc, bt, sl = (
+        p["query"],
+        p["key_cache"],
+        p["value_cache"],
+        p["block_table"],
+        p["seq_lens"],
+    )
+    ks, vs = p["k_scale"], p["v_scale"]
+    cases = {
+        "query dtype": (TypeError, "query must be torch.float16", dict(query=q.float())),
+        "query rank": (ValueError, "query must be 4-D", dict(query=q[0])),
+        "key_cache dtype": (
+            TypeError,
+            "key_cache must be torch.float8_e4m3fn",
+            dict(key_cache=kc.view(torch.uint8)),
+        ),
+        "value_cache dtype": (TypeError, "value_cache must be", dict(value_cache=vc.float())),
+        "cache rank": (ValueError, "key_cache must be 4-D", dict(key_cache=kc[0])),
+        "value shape": (ValueError, "value_cache shape", dict(value_cache=vc[:-1])),
+        "block_table dtype": (
+            TypeError,
+            "block_table must be torch.int32",
+            dict(block_table=bt.long()),
+        ),
+        "block_table rows": (ValueError, "block_table has 1 rows", dict(block_table=bt[:1])),
+        "seq_lens dtype": (TypeError, "seq_lens must be torch.int32", dict(seq_lens=sl.long())),
+        "seq_lens size": (
+            ValueError,
+            "seq_lens has 3 entries",
+            dict(seq_lens=torch.cat([sl, sl[:1]])),
+        ),
+        "head dim": (
+            ValueError,
+            "query head dim 32 != key_cache head dim 64",
+            dict(query=q[..., :32].contiguous()),
+        ),
+        "heads": (ValueError, "multiple of cache heads", dict(query=q[:, :3].contiguous())),
+        "query last dim": (
+            ValueError,
+            "query must have a contiguous last dim",
+            dict(query=q.transpose(2, 3).contiguous().transpose(2, 3)),
+        ),
+        "cache last dim": (
+            ValueError,
+            "key_cache must have a contiguous last dim",
+            dict(key_cache=kc.transpose(2, 3).contiguous().transpose(2, 3)),
+        ),
+        "k_scale dtype": (TypeError, "k_scale must be torch.float32", dict(k_scale=ks.double())),
+        "v_scale shape": (
+            ValueError,
+            r"v_scale must have shape \[\], \[1\] or \[H_kv=2\]",
+            dict(v_scale=torch.ones(3)),
+        ),
+        "seq_len > capacity": (
+            ValueError,
+            "seq_lens must lie in",
+            dict(seq_lens=torch.tensor([5, 10**6], dtype=torch.int32)),
+        ),
+        "negative seq_len": (
+            ValueError,
+            "seq_lens must lie in",
+            dict(seq_lens=torch.tensor([-1, 5], dtype=torch.int32)),
+        ),
+        "page id": (
+            ValueError,
+            "page ids must lie in",
+            dict(block_table=torch.where(bt >= 0, bt + 1000, bt)),
+        ),
+    }
+    exc, msg, change = cases[name]
+    args = dict(
+        query=q,
+        key_cache=kc,
+        value_cache=vc,
+        block_table=bt,
+        seq_lens=sl,
+        scale=0.1,
+        k_scale=ks,
+        v_scale=vs,
+    )
+    args.update(change)
+    return exc, msg, args
+
+
+ERRORS = [
+    "query dtype",
+    "query rank",
+    "key_cache dtype",
+    "value_cache dtype",
+    "cache rank",
+    "value shape",
+    "block_table dtype",
+    "block_table rows",
+    "seq_lens dtype",
+    "seq_lens size",
+    "head dim",
+    "heads",
+    "query last dim",
+    "cache last dim",
+    "k_scale dtype",
+    "v_scale shape",
+    "seq_len > capacity",
+    "negative seq_len",
+    "page id",
+]
+
+
+@pytest.mark.parametrize("name", ERRORS)
+def test_paged_attention_errors(name):
+    exc, msg, args = _bad(name)
+    with pytest.raises(exc, match=msg):
+        torch.ops.sm70attn.paged_attention(*args.values())
+
+
+def test_device_mismatch_error():
+    p = make_problem(D=64)
+    args = list(op_args(p))
+    args[4] = args[4].to("meta")
+    with pytest.raises(ValueError, match="seq_lens is on meta but query is on cpu"):
+        torch.ops.sm70attn.paged_attention(*args)
+
+
+def test_unused_table_entries_are_not_checked():
+    # make_problem pads every table with -1 and out-of-range ids beyond the used pages.
+    p = make_problem(D=64, lens=[1, 16], extra_pages=2)
+    P = p["key_cache"].shape[0]
+    assert (p["block_table"] < 0).any() and (p["block_table"] >= P).any()
+    torch.ops.sm70attn.paged_attention(*op_args(p))
+
+
+def test_store_kv_errors():
+    k, v, kc, vc, slots, ks, vs = store_args()
+    with pytest.raises(TypeError, match="key must be torch.float16"):
+        sa.store_kv(k.float(), v, kc, vc, slots)
+    with pytest.raises(TypeError, match="slot_mapping must be torch.int64"):
+        sa.store_kv(k, v, kc, vc, slots.int())
+    with pytest.raises(ValueError, match="slot_mapping has 6 entries"):
+        sa.store_kv(k, v, kc, vc, slots[:6])
+    with pytest.raises(ValueError, match=r"key is \[T, H_kv=2, D=32\]"):
+        sa.store_kv(k[..., :32].contiguous(), v[..., :32].contiguous(), kc, vc, slots)
+    with pytest.raises(ValueError, match="value shape"):
+        sa.store_kv(k, v[:, :1].contiguous(), kc, vc, slots)
+    with pytest.raises(ValueError, match="slot_mapping entries must be -1 or lie in"):
+        sa.store_kv(k, v, kc, vc, torch.full_like(slots, 10**6))
+    with pytest.raises(ValueError, match="slot_mapping entries must be -1 or lie in"):
+        sa.store_kv(k, v, kc, vc, torch.full_like(slots, -2))
+
+
+def test_verifier_mask_errors():
+    with pytest.raises(TypeError, match="seq_lens must be torch.int32"):
+        sa.verifier_mask(torch.tensor([1]), 1, 4)
+    with pytest.raises(ValueError, match="q_rows must be >= 1"):
+        sa.verifier_mask(torch.tensor([1], dtype=torch.int32), 0, 4)
+
+
+# --- contract and routes ----------------------------------------------------------------
+def test_contract_is_min_of_capability_and_capacity():
+    cap = sa.capabilities()["max_context"]
+    assert sa.contract() == cap
+    assert sa.contract(cap // 2) == cap // 2
+    assert sa.contract(cap * 4) == cap
+    with pytest.raises(ValueError):
+        sa.contract(-1)
+
+
+def test_no_literal_context_bound_outside_the_manifest():
+    root = Path(sa.__file__).resolve().parent.parent
+    cap = str(sa.capabilities()["max_context"])
+    offenders = []
+    for d in ("torch_sm70attn", "fx_passes", "csrc"):
+        for f in (root / d).rglob("*"):
+            if f.is_file() and f.suffix in (".py", ".cu", ".cuh", ".h") and f.name != "manifest.py":
+                if re.search(rf"\b({cap}|262_144|256 \* 1024|1 << 18)\b", f.read_text()):
+                    offenders.append(str(f.relative_to(root)))
+    assert not offenders, f"context bound written outside manifest.py: {offenders}"
+
+
+def test_admit_on_cpu_and_shape_reasons(monkeypatch):
+    p = make_problem(D=64)
+    a = sa.admit(p["query"], p["key_cache"], p["block_table"])
+    assert a.route == sa.REFERENCE and "cpu" in a.reason
+    monkeypatch.setenv("TORCH_SM70ATTN_DISABLE", "1")
+    assert sa.admit(p["query"], p["key_cache"]).reason == "TORCH_SM70ATTN_DISABLE=1"
+    q96 = torch.empty(1, 6, 1, 96, dtype=torch.float16)
+    c96 = torch.empty(1, 16, 1, 96, dtype=FP8)
+    assert "head dim 96" in routes.shape_refusal(q96, c96)
+    q = torch.empty(1, 12, 1, 64, dtype=torch.float16)
+    c = torch.empty(1, 16, 1, 64, dtype=FP8)
+    assert "group size" in routes.shape_refusal(q, c)
+    assert "query rows 17" in routes.shape_refusal(
+        torch.empty(1, 1, 17, 64, dtype=torch.float16), c
+    )
+    assert routes.shape_refusal(q[:, :6], c) is None
+    # Capacity: whole pages covering the contract are admitted, more is not.
+    cap = sa.contract()
+    page = 3296
+    cache = torch.empty(1, page, 1, 64, dtype=FP8)
+    ok = torch.empty(1, -(-cap // page), dtype=torch.int32)
+    too_big = torch.empty(1, -(-cap // page) + 1, dtype=torch.int32)
+    assert routes.shape_refusal(q[:, :6], cache, ok) is None
+    assert "exceeds the contract" in routes.shape_refusal(q[:, :6], cache, too_big)
+    assert "exceeds the contract" in routes.shape_refusal(
+        q[:, :6], cache, ok, served_capacity=cap // 2
+    )
+    # 8-byte alignment of cache rows (interleaved K/V views are fine, odd offsets are not).
+    odd = torch.empty(1, 16, 1, 72, dtype=FP8)[..., 1:65]
+    assert "8-byte aligned" in routes.shape_refusal(q[:, :6], odd)
+
+
+# --- the CLI --------------------------------------------------------------------------
+def _cli(*args):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "torch_sm70attn", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_cli_info():
+    r = _cli("info")
+    assert r.returncode == 0, r.stderr
+    assert "capability manifest" in r.stdout and "262144" in r.stdout
+    assert "CUDA library:" in r.stdout
+
+
+def test_cli_demo():
+    r = _cli("demo", "--device", "cpu", "--context", "2000", "--reps", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count(" ok") == 2, r.stdout

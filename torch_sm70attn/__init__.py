@@ -1,0 +1,105 @@
+"""torch_sm70attn: fused paged-FP8-KV attention for V100 (SM70) GPUs, as torch ops.
+
+    out = torch_sm70attn.paged_attention(query, key_cache, value_cache, block_table, seq_lens)
+
+See README.md for the semantics and DESIGN notes, `python -m torch_sm70attn info` for what
+this machine supports.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import ops  # noqa: F401  (registers the sm70attn:: operators)
+from .manifest import MANIFEST, contract
+from .routes import CUDA, REFERENCE, Admission, admit
+
+__version__ = "0.1.0"
+__all__ = [
+    "paged_attention",
+    "store_kv",
+    "verifier_mask",
+    "capabilities",
+    "admit",
+    "contract",
+    "Admission",
+    "CUDA",
+    "REFERENCE",
+]
+
+
+@functools.lru_cache(maxsize=64)
+def _scale_tensor(value: float, device: torch.device) -> torch.Tensor:
+    # Cached so that a float scale costs no host-to-device copy per call (and none during
+    # CUDA-graph capture once it has been seen outside it).
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+def _as_scale(x, device: torch.device) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else _scale_tensor(float(x), device)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """Attention of `query` [B, H_q, Q, D] fp16 over a paged float8_e4m3fn KV cache.
+
+    key_cache, value_cache: [P, page_size, H_kv, D]; block_table: [B, max_pages] int32;
+    seq_lens: [B] int32, KV tokens per request including the Q new ones. Row r of request
+    b attends to positions [0, seq_lens[b] - Q + r]; a row that sees nothing outputs 0.
+    K and V are float(e4m3) * k_scale / v_scale (float, or float32 tensor [], [1], [H_kv]).
+    scale defaults to D ** -0.5. Returns [B, H_q, Q, D] float16.
+    """
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    k_scale = _as_scale(k_scale, query.device)
+    v_scale = _as_scale(v_scale, query.device)
+    return torch.ops.sm70attn.paged_attention.default(
+        query, key_cache, value_cache, block_table, seq_lens, float(scale), k_scale, v_scale
+    )
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+) -> None:
+    """Quantize key/value [T, H_kv, D] fp16 into the caches at slot_mapping [T] int64.
+
+    slot = page * page_size + offset; -1 skips the token. Stored value is
+    e4m3(x / scale): FP32 division, saturated to +-448, rounded to nearest even.
+    """
+    torch.ops.sm70attn.store_kv.default(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        _as_scale(k_scale, key.device),
+        _as_scale(v_scale, key.device),
+    )
+
+
+def verifier_mask(seq_lens: torch.Tensor, q_rows: int, kv_len: int) -> torch.Tensor:
+    """Bool [B, 1, q_rows, kv_len]: True where row r of request b may see position t."""
+    return torch.ops.sm70attn.verifier_mask.default(seq_lens, q_rows, kv_len)
+
+
+def capabilities() -> dict:
+    """The capability manifest: what the fused kernels are qualified for."""
+    return MANIFEST.as_dict()

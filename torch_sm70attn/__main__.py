@@ -1,0 +1,181 @@
+"""python -m torch_sm70attn {info,demo,build}"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import torch_sm70attn as sa
+
+from . import _jit, routes
+from .manifest import contract
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _route_table(dev: torch.device) -> list[tuple[str, str, str]]:
+    """Route of a few typical shapes on this device, and whether the manifest admits them
+    on a GPU (tiny tensors: only metadata matters)."""
+    cases = [
+        ("decode  B1 Q1  G6 D256", 1, 6, 256, torch.float16),
+        ("verify  B8 Q8  G6 D256", 8, 6, 256, torch.float16),
+        ("verify  B4 Q16 G8 D128", 16, 8, 128, torch.float16),
+        ("head dim 96", 1, 6, 96, torch.float16),
+        ("group size 12", 1, 12, 128, torch.float16),
+        ("bf16 query", 1, 6, 256, torch.bfloat16),
+    ]
+    rows = []
+    for name, q, g, d, dt in cases:
+        query = torch.empty(1, g, q, d, dtype=dt, device=dev)
+        cache = torch.empty(1, 16, 1, d, dtype=torch.float8_e4m3fn, device=dev)
+        a = sa.admit(query, cache)
+        rows.append((name, a.route, routes.shape_refusal(query, cache) or "shape admitted"))
+    return rows
+
+
+def info(args) -> int:
+    dev = _device()
+    print(f"torch_sm70attn {sa.__version__}")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    )
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        print(f"device: {p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)")
+    else:
+        print("device: cpu (no CUDA device visible)")
+    print("capability manifest:", json.dumps(sa.capabilities()))
+    print(f"contract (no served capacity given): {contract()} tokens")
+    dev_reason = routes.admit(
+        torch.empty(1, 1, 1, 64, dtype=torch.float16, device=dev),
+        torch.empty(1, 1, 1, 64, dtype=torch.float8_e4m3fn, device=dev),
+    )
+    print(f"routes on this device ({dev_reason.reason}):")
+    for name, route, reason in _route_table(dev):
+        print(f"  {name:<24} {route:<10} {reason}")
+    try:
+        digest = _jit.source_digest()
+        built = _jit.is_built(digest)
+        print(
+            f"CUDA library: source digest {digest} (arch {_jit.arch_list()}), "
+            f"{'built at ' + str(_jit.build_dir(digest)) if built else 'not built'}"
+        )
+    except FileNotFoundError as e:
+        print(f"CUDA library: {e}")
+    return 0
+
+
+def build(args) -> int:
+    if not torch.cuda.is_available() and not _jit.arch_list().replace("none", ""):
+        print("no CUDA device and no TORCH_CUDA_ARCH_LIST: nothing to build for", file=sys.stderr)
+        return 1
+    t0 = time.perf_counter()
+    mod = _jit.load()
+    print(f"built {_jit.module_name(mod.digest())} in {time.perf_counter() - t0:.1f} s")
+    print(f"at {_jit.build_dir(mod.digest())}")
+    return 0
+
+
+def _median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def make_paged_problem(B, H_kv, G, D, page_size, lens, dev, seed=0):
+    """Random fp16 K/V stored through store_kv into shuffled pages of an E4M3 cache."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_req = [-(-L // page_size) for L in lens]
+    max_pages = max(pages_per_req)
+    P = sum(pages_per_req) + 2  # a few pages nobody owns
+    perm = torch.randperm(P, generator=gen)
+    block_table = torch.zeros(B, max_pages, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(pages_per_req):
+        block_table[b, :n] = perm[i : i + n].int()
+        i += n
+    key_cache = torch.zeros(P, page_size, H_kv, D, dtype=torch.float8_e4m3fn, device=dev)
+    value_cache = torch.zeros_like(key_cache)
+    k_scale = torch.rand(H_kv, generator=gen).add(0.5).mul(0.02).to(dev)
+    v_scale = torch.rand(H_kv, generator=gen).add(0.5).mul(0.02).to(dev)
+    for b, L in enumerate(lens):
+        t = torch.arange(L)
+        slots = (block_table[b, t // page_size].long() * page_size + t % page_size).to(dev)
+        k = torch.randn(L, H_kv, D, generator=gen).half().to(dev)
+        v = torch.randn(L, H_kv, D, generator=gen).half().to(dev)
+        sa.store_kv(k, v, key_cache, value_cache, slots, k_scale=k_scale, v_scale=v_scale)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    return key_cache, value_cache, block_table.to(dev), seq_lens, k_scale, v_scale
+
+
+def sdpa_over_gather(query, key_cache, value_cache, block_table, seq_lens, k_scale, v_scale):
+    """The attention as people write it today: gather pages, convert, scale, SDPA."""
+    B, H_q, Q, D = query.shape
+    _, page_size, H_kv, _ = key_cache.shape
+    dt = query.dtype if query.is_cuda else torch.float32
+    k = key_cache[block_table.long()].flatten(1, 2).to(dt) * k_scale.view(1, 1, H_kv, 1)
+    v = value_cache[block_table.long()].flatten(1, 2).to(dt) * v_scale.view(1, 1, H_kv, 1)
+    k = k.transpose(1, 2).repeat_interleave(H_q // H_kv, dim=1)
+    v = v.transpose(1, 2).repeat_interleave(H_q // H_kv, dim=1)
+    mask = sa.verifier_mask(seq_lens, Q, k.shape[2])
+    out = torch.nn.functional.scaled_dot_product_attention(query.to(dt), k, v, attn_mask=mask)
+    return out.to(query.dtype)
+
+
+def demo(args) -> int:
+    dev = torch.device(args.device) if args.device else _device()
+    B, H_kv, G, D, page = 2, 2, 6, 256, 1648
+    lens = [args.context - 900, args.context]
+    print(f"device {dev}; B={B} H_kv={H_kv} G={G} D={D} page={page} seq_lens={lens}")
+    kc, vc, bt, sl, ks, vs = make_paged_problem(B, H_kv, G, D, page, lens, dev)
+    ok = True
+    for Q, what in ((1, "decode"), (8, "verify")):
+        q = torch.randn(B, H_kv * G, Q, D, device=dev).half()
+        a = sa.admit(q, kc, bt)
+        op = functools.partial(sa.paged_attention, q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
+        ref = functools.partial(sdpa_over_gather, q, kc, vc, bt, sl, ks, vs)
+        out, want = op(), ref()
+        err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+        t_op, t_ref = _median_ms(op, args.reps), _median_ms(ref, args.reps)
+        good = bool(torch.isfinite(out).all()) and err < 2e-3
+        ok &= good
+        print(
+            f"{what:<6} Q={Q:<2} route={a.route:<9} sm70attn {t_op:8.3f} ms | "
+            f"gather+SDPA {t_ref:8.3f} ms | rel. error {err:.2e} {'ok' if good else 'MISMATCH'}"
+        )
+        if a.route != routes.CUDA:
+            print(f"       (reference route: {a.reason})")
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m torch_sm70attn", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="versions, device, manifest, routes, CUDA library status")
+    sub.add_parser("build", help="JIT-build the CUDA library now (honours TORCH_CUDA_ARCH_LIST)")
+    d = sub.add_parser("demo", help="a paged decode + verify step, checked against SDPA")
+    d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    d.add_argument("--context", type=int, default=5000, help="longest request, tokens")
+    d.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    return {"info": info, "build": build, "demo": demo}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

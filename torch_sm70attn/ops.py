@@ -1,0 +1,99 @@
+"""The sm70attn operators: each schema defined once, its fake kernel right under it, then
+its CPU kernel. CUDA kernels are registered by the compiled library (csrc/binding.cu) once
+it is loaded; see routes.py for how a call reaches them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import checks, reference, routes
+
+lib = torch.library.Library("sm70attn", "DEF")  # noqa: TOR901 (schemas live here, once)
+
+
+def _check_values(t: torch.Tensor) -> bool:
+    """Value checks always on the CPU; on a GPU only in validate mode, never while capturing."""
+    if t.device.type == "cpu":
+        return True
+    return routes.validate_mode() and not torch.cuda.is_current_stream_capturing()
+
+
+# ---------------------------------------------------------------------------------------
+lib.define(
+    "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+    "Tensor seq_lens, float scale, Tensor k_scale, Tensor v_scale) -> Tensor"
+)
+
+
+@torch.library.register_fake("sm70attn::paged_attention", lib=lib)
+def _paged_attention_fake(
+    query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale
+):
+    checks.check_paged_attention(
+        query, key_cache, value_cache, block_table, seq_lens, k_scale, v_scale
+    )
+    return query.new_empty(query.shape)  # contiguous, like every real kernel's output
+
+
+def _paged_attention_ref(
+    query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale
+):
+    _, _, _, _, P, page_size, _ = checks.check_paged_attention(
+        query, key_cache, value_cache, block_table, seq_lens, k_scale, v_scale
+    )
+    if _check_values(query):
+        checks.check_paged_attention_values(block_table, seq_lens, P, page_size)
+    return reference.paged_attention(
+        query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale
+    )
+
+
+lib.impl("paged_attention", _paged_attention_ref, "CPU")
+
+# ---------------------------------------------------------------------------------------
+lib.define(
+    "store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> ()"
+)
+
+
+@torch.library.register_fake("sm70attn::store_kv", lib=lib)
+def _store_kv_fake(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
+    checks.check_store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+def _store_kv_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
+    _, _, _, P, page_size = checks.check_store_kv(
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
+    )
+    if _check_values(key):
+        checks.check_store_kv_values(slot_mapping, P * page_size)
+    reference.store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+lib.impl("store_kv", _store_kv_ref, "CPU")
+
+# ---------------------------------------------------------------------------------------
+lib.define("verifier_mask(Tensor seq_lens, int q_rows, int kv_len) -> Tensor")
+
+
+@torch.library.register_fake("sm70attn::verifier_mask", lib=lib)
+def _verifier_mask_fake(seq_lens, q_rows, kv_len):
+    checks.check_verifier_mask(seq_lens, q_rows, kv_len)
+    return seq_lens.new_empty((seq_lens.shape[0], 1, q_rows, kv_len), dtype=torch.bool)
+
+
+def _verifier_mask_any(seq_lens, q_rows, kv_len):
+    checks.check_verifier_mask(seq_lens, q_rows, kv_len)
+    return reference.verifier_mask(seq_lens, q_rows, kv_len)
+
+
+# Plain tensor ops: the same code is right on every device.
+lib.impl("verifier_mask", _verifier_mask_any, "CompositeExplicitAutograd")
+
+# Until the compiled library registers its CUDA kernels (see _jit.py), a CUDA call runs
+# the reference, which is right but slow and not capturable.
+_cuda_fallback = torch.library.Library("sm70attn", "IMPL")  # noqa: TOR901
+_cuda_fallback.impl("paged_attention", _paged_attention_ref, "CUDA")
+_cuda_fallback.impl("store_kv", _store_kv_ref, "CUDA")
