@@ -1,0 +1,90 @@
+"""Pieces shared by the sm70attn FX passes: node metadata, refusals, new-node helpers."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+FP8 = torch.float8_e4m3fn
+
+
+class Refused(Exception):
+    """A step the pass cannot prove; the message is the logged reason."""
+
+
+def meta(node):
+    """Fake value of a node (Dynamo: example_value; AOT graphs: val)."""
+    if not isinstance(node, fx.Node):
+        return node
+    v = node.meta.get("example_value", node.meta.get("val"))
+    if v is None:
+        raise Refused(f"no fake-tensor metadata on {node.name}")
+    return v
+
+
+def target_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload):
+            return t.overloadpacket.__name__
+        return getattr(t, "__name__", str(t))
+    return node.op
+
+
+def arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def static(x) -> int:
+    if not isinstance(x, int):
+        raise Refused(f"dynamic size {x}")
+    return x
+
+
+def shape(node) -> list[int]:
+    return [static(s) for s in meta(node).shape]
+
+
+def scale_node(graph: fx.Graph, scale, device) -> fx.Node:
+    """The op's k_scale / v_scale: a float32 tensor of shape [] or [H_kv] on `device`, from
+    None (1.0), a Python number, or a scale tensor node of one or H_kv elements."""
+    if scale is None or isinstance(scale, (int, float)):
+        value = 1.0 if scale is None else float(scale)
+        full = graph.call_function(
+            torch.full, ((), value), {"dtype": torch.float32, "device": device}
+        )
+        return fake(full)
+    flat = fake(graph.call_method("reshape", (scale, (-1,))))
+    return fake(graph.call_method("to", (flat,), {"device": device, "dtype": torch.float32}))
+
+
+def fake(node: fx.Node) -> fx.Node:
+    """Fill a new node's example_value by running it on its inputs' fake values."""
+    vals = [meta(a) for a in node.all_input_nodes]
+    modes = [v.fake_mode for v in vals if isinstance(v, FakeTensor)]
+    mode = modes[0] if modes else FakeTensorMode()
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), meta)
+    fn = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+    with mode:
+        node.meta["example_value"] = fn(*args, **kwargs)
+    return node
+
+
+def erase_dead(graph: fx.Graph, roots) -> None:
+    """Erase `roots` and, transitively, the pure nodes that fed only them."""
+    work = list(roots)
+    while work:
+        n = work.pop()
+        if getattr(n, "_erased", False) or n.users or n.op not in ("call_function", "call_method"):
+            continue
+        name = target_name(n)
+        if n not in roots and (name.endswith("_") or name in ("setitem", "index_put", "copy")):
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        work.extend(inputs)

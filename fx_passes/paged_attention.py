@@ -1,0 +1,408 @@
+"""Rewrite "SDPA over a paged E4M3 cache" into sm70attn.paged_attention.
+
+Works on the Dynamo (pre-grad) graph. Anchored on each SDPA call, it walks K and V back to
+the page gather of a float8_e4m3fn cache, following only steps whose meaning it can track:
+
+    cache[block_table]                       the page gather (plain indexing)
+    cache.index_select(0, bt.view(-1))       the page gather on a page view
+    .flatten / .view / .reshape              regrouping of dims (never splitting a page)
+    .transpose / .permute / .contiguous      layout
+    .to(float16) / .half() / .float()        the dequantizing conversion (fp8 -> fp16)
+    * k_scale                                float, 0-d / [1] / per-KV-head tensor or buffer
+    .repeat_interleave(G, dim=heads)         GQA expansion as written in plain PyTorch
+    [:, :, None].expand(...).reshape(...)    GQA expansion as HF's repeat_kv writes it
+    SDPA(..., enable_gqa=True)               GQA expansion inside SDPA
+
+It tracks every dim of the tensor as a tuple of "atoms" of the cache: B (request), PG
+(page slot in the table), OFF (offset in a page), H (KV head), G (query head in a group),
+D (head dim). Atoms of size 1 carry no information and are dropped, so B=1 or H_kv=1
+graphs need no special case. K must arrive at SDPA as [B, (H, G), (PG, OFF), D] in FP16:
+then position t = pg * page_size + off and query head h = kv * G + g, exactly the op's
+semantics. The mask must be sm70attn.verifier_mask(seq_lens, Q, capacity).
+
+Whatever cannot be proven leaves the graph unchanged; the reason is logged at DEBUG on
+logger "torch_sm70attn" and counted in torch._dynamo.utils.counters["sm70attn"].
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch._dynamo.utils import counters
+
+from torch_sm70attn import routes
+
+from .common import (
+    FP8,
+    Refused,
+    arg,
+    erase_dead,
+    fake,
+    meta,
+    scale_node,
+    shape,
+    static,
+    target_name,
+)
+
+log = logging.getLogger("torch_sm70attn")
+SDPA = (
+    torch._C._nn.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention.default,
+)
+VERIFIER_MASK = torch.ops.sm70attn.verifier_mask.default
+
+
+# --- the tracked layout -----------------------------------------------------------------
+@dataclass
+class Layout:
+    dims: list[tuple[str, ...]]  # atoms of each dim, outermost first (size-1 atoms dropped)
+    sizes: dict[str, int]
+    dtype: torch.dtype
+    scale: object = None  # the multiplier: None, a Python number or an fx.Node
+    scale_dim: int | None = None  # which dim a per-head scale varies along
+    nodes: list[fx.Node] = field(default_factory=list)  # the chain, gather first
+    cache: fx.Node | None = None
+    bt: fx.Node | None = None  # the block table (int32 as the user holds it)
+
+    def atoms(self, dims):
+        return tuple(a for a in dims if self.sizes[a] > 1)
+
+    def shape(self):
+        return [math.prod(self.sizes[a] for a in d) for d in self.dims]
+
+
+def _regroup(lay: Layout, new_shape) -> list[tuple[str, ...]]:
+    """Dims of a view/reshape: the same atom sequence cut at the new boundaries."""
+    seq = [a for d in lay.dims for a in d]
+    out, i = [], 0
+    for s in new_shape:
+        grp, prod = [], 1
+        while prod < s and i < len(seq):
+            grp.append(seq[i])
+            prod *= lay.sizes[seq[i]]
+            i += 1
+        if prod != s:
+            raise Refused(f"reshape to {list(new_shape)} splits a tracked dim")
+        out.append(tuple(grp))
+    if i != len(seq):
+        raise Refused(f"reshape to {list(new_shape)} drops dims")
+    return out
+
+
+def _dim(d: int, n: int) -> int:
+    return d + n if d < 0 else d
+
+
+def _int32_source(idx: fx.Node) -> fx.Node:
+    """bt for bt.long() / bt.to(torch.int64) / bt.int(): the table as the user holds it."""
+    while (
+        isinstance(idx, fx.Node) and idx.op == "call_method" and idx.target in ("long", "int", "to")
+    ):
+        if meta(idx).dtype.is_floating_point or meta(idx.args[0]).dtype.is_floating_point:
+            break
+        idx = idx.args[0]
+    return idx
+
+
+def _start(gather: fx.Node) -> Layout:
+    """Layout right after the page gather (with its cache and block-table nodes)."""
+    name = target_name(gather)
+    if name in ("getitem", "index") and gather.op == "call_function":
+        cache, idx = gather.args[0], gather.args[1]
+        if isinstance(idx, (tuple, list)):
+            if len(idx) != 1:
+                raise Refused("cache indexed by more than the page id")
+            idx = idx[0]
+        if not isinstance(idx, fx.Node) or not isinstance(meta(idx), torch.Tensor):
+            raise Refused("cache indexed by something other than a block table")
+        bt = _int32_source(idx)
+        if meta(bt).dim() != 2:
+            raise Refused("block table is not 2-D [B, max_pages]")
+        B, MP = shape(bt)
+        merged = False
+        dead = []
+    elif name == "index_select":
+        cache, dim, idx = gather.args[0], arg(gather, 1, "dim"), arg(gather, 2, "index")
+        if dim != 0:
+            raise Refused("index_select along a dim other than the page dim")
+        # idx must be block_table flattened: bt.view(-1) / bt.reshape(-1) / bt.flatten()
+        if not isinstance(idx, fx.Node) or target_name(idx) not in ("view", "reshape", "flatten"):
+            raise Refused("index_select index is not a flattened block table")
+        bt = _int32_source(idx.args[0])
+        if meta(bt).dim() != 2 or list(meta(idx).shape) != [meta(bt).numel()]:
+            raise Refused("index_select index is not a flattened block table")
+        if len(idx.users) != 1:
+            raise Refused(f"{idx.name} is used elsewhere")
+        B, MP = shape(bt)
+        merged = True
+        dead = [idx]
+    else:
+        raise Refused(f"K/V does not come from a page gather (reached {gather.name})")
+    c = meta(cache)
+    if not isinstance(c, torch.Tensor) or c.dtype != FP8:
+        raise Refused(f"cache {getattr(cache, 'name', cache)} is not float8_e4m3fn")
+    if c.dim() != 4:
+        raise Refused("cache is not 4-D [P, page_size, H_kv, D]")
+    if meta(bt).dtype not in (torch.int32, torch.int64):
+        raise Refused("block table is not an integer tensor")
+    _, ps, H, D = shape(cache)
+    sizes = {"B": B, "PG": MP, "OFF": ps, "H": H, "D": D, "G": 1}
+    lay = Layout([], sizes, FP8, nodes=[*dead, gather], cache=cache, bt=bt)
+    dims = [("B", "PG")] if merged else [("B",), ("PG",)]
+    lay.dims = [lay.atoms(d) for d in dims + [("OFF",), ("H",), ("D",)]]
+    return lay
+
+
+def _step(lay: Layout, node: fx.Node) -> None:
+    """Apply one chain node to the layout, or refuse."""
+    name = target_name(node)
+    out = meta(node)
+    n = len(lay.dims)
+    if name in ("view", "reshape", "flatten", "_unsafe_view", "unflatten"):
+        lay.dims = [lay.atoms(d) for d in _regroup(lay, shape(node))]
+    elif name in ("transpose", "swapaxes"):
+        a, b = _dim(arg(node, 1, "dim0"), n), _dim(arg(node, 2, "dim1"), n)
+        lay.dims[a], lay.dims[b] = lay.dims[b], lay.dims[a]
+    elif name == "permute":
+        order = node.args[1:] if node.op == "call_method" else node.args[1]
+        if len(order) == 1 and isinstance(order[0], (tuple, list)):
+            order = order[0]
+        lay.dims = [lay.dims[_dim(d, n)] for d in order]
+    elif name in ("contiguous", "clone"):
+        pass
+    elif name == "unsqueeze":
+        lay.dims.insert(_dim(arg(node, 1, "dim"), n + 1), ())
+    elif name in ("to", "half", "float", "_to_copy", "type"):
+        if out.dtype not in (torch.float16, torch.float32):
+            raise Refused(f"conversion to {out.dtype}")
+        if out.device != meta(node.args[0]).device:
+            raise Refused("device change inside the K/V chain")
+        lay.dtype = out.dtype
+    elif name in ("mul", "mul_"):
+        _scale_step(lay, node)
+    elif name == "repeat_interleave":
+        reps, d = arg(node, 1, "repeats"), arg(node, 2, "dim")
+        if not isinstance(reps, int) or d is None:
+            raise Refused("repeat_interleave without a static repeat count and dim")
+        d = _dim(d, n)
+        if lay.dims[d] != lay.atoms(("H",)) or lay.sizes["G"] != 1:
+            raise Refused("repeat_interleave on a dim other than the KV heads")
+        lay.sizes["G"] = reps
+        lay.dims[d] = lay.atoms(("H", "G"))
+    elif name == "expand":
+        new = shape(node)
+        old = lay.shape()
+        if len(new) != n:
+            raise Refused("expand adds dims")
+        for i, (o, s) in enumerate(zip(old, new, strict=True)):
+            if o == s:
+                continue
+            if lay.dims[i] != () or lay.sizes["G"] != 1:
+                raise Refused("expand of a dim other than a fresh group dim")
+            lay.sizes["G"] = s
+            lay.dims[i] = ("G",)
+    elif name in ("getitem", "slice"):
+        _index_step(lay, node)
+    else:
+        raise Refused(f"{node.name} ({name}) is not a step the pass can track")
+    if lay.shape() != [int(s) for s in out.shape]:
+        raise Refused(f"lost track of the layout at {node.name}")
+
+
+def _index_step(lay: Layout, node: fx.Node) -> None:
+    """x[:, :, None] (HF repeat_kv) and full slices; anything else is refused."""
+    if node.op != "call_function" or target_name(node) != "getitem":
+        raise Refused(f"{node.name}: aten slicing of K/V")
+    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    consumed = sum(1 for j in idx if j is not None and j is not Ellipsis)
+    shape = lay.shape()
+    dims, i = [], 0
+    for ix in idx:
+        if ix is None:
+            dims.append(())
+        elif ix is Ellipsis:
+            rest = len(lay.dims) - consumed
+            dims.extend(lay.dims[i : i + rest])
+            i += rest
+        elif (
+            isinstance(ix, slice)
+            and ix.start in (None, 0)
+            and ix.step in (None, 1)
+            and (ix.stop is None or (isinstance(ix.stop, int) and ix.stop >= shape[i]))
+        ):
+            dims.append(lay.dims[i])  # a slice to the full (static) length is a no-op
+            i += 1
+        else:
+            raise Refused(f"indexing K/V with {ix!r} (only None and full slices are tracked)")
+    lay.dims = dims + lay.dims[i:]
+
+
+def _scale_step(lay: Layout, node: fx.Node) -> None:
+    s = node.args[1] if node.args[0] is lay.nodes[-1] else node.args[0]
+    if lay.scale is not None:
+        raise Refused("K/V multiplied by a scale twice")
+    if lay.dtype == FP8:
+        raise Refused("scale applied before the conversion from fp8")
+    if isinstance(s, (int, float)):
+        lay.scale = float(s)
+        return
+    sm = meta(s)
+    if not isinstance(sm, torch.Tensor) or not sm.is_floating_point():
+        raise Refused("K/V multiplied by something other than a float scale")
+    if sm.numel() == 1:
+        lay.scale = s
+        return
+    # Right-aligned broadcast: the scale may vary along the KV-head dim alone.
+    shape = list(sm.shape)
+    if len(shape) > len(lay.dims):
+        raise Refused("scale has more dims than K/V")
+    varying = [i for i, sz in enumerate(shape) if sz != 1]
+    off = len(lay.dims) - len(shape)
+    if len(varying) != 1 or lay.dims[off + varying[0]] != ("H",):
+        raise Refused(f"scale of shape {shape} does not vary along the KV heads alone")
+    lay.scale, lay.scale_dim = s, off + varying[0]
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """The tensor a chain step transforms (for mul: the operand shaped like the result)."""
+    if target_name(node) in ("mul", "mul_"):
+        shape = list(meta(node).shape)
+        cands = [
+            a for a in node.args[:2] if isinstance(a, fx.Node) and list(meta(a).shape) == shape
+        ]
+        if len(cands) != 1:
+            raise Refused(f"{node.name}: cannot tell K/V from its scale")
+        return cands[0]
+    return node.args[0]
+
+
+def _is_gather(node: fx.Node) -> bool:
+    if target_name(node) == "index_select":
+        return True
+    src = node.args[0]
+    return (
+        target_name(node) in ("getitem", "index")
+        and isinstance(src, fx.Node)
+        and getattr(meta(src), "dtype", None) == FP8
+    )
+
+
+def _trace_back(node: fx.Node, sdpa: fx.Node) -> Layout:
+    """Chain from the gather to SDPA's input `node`; no link may be used elsewhere."""
+    chain, user = [], sdpa
+    cur = node
+    while True:
+        if not isinstance(cur, fx.Node) or cur.op not in ("call_function", "call_method"):
+            raise Refused(
+                f"K/V does not come from a page gather (reached {getattr(cur, 'name', cur)})"
+            )
+        if set(cur.users) != {user}:
+            raise Refused(f"{cur.name} is used elsewhere")
+        chain.append(cur)
+        if _is_gather(cur):
+            break
+        user, cur = cur, _source(cur)
+    chain.reverse()
+    lay = _start(chain[0])
+    for n in chain[1:]:
+        _step(lay, n)
+        lay.nodes.append(n)
+    return lay
+
+
+# --- the rewrite --------------------------------------------------------------------------
+def _check_kv(lay: Layout, H_q: int, gqa: bool, what: str) -> None:
+    heads = ("H",) if gqa else ("H", "G")
+    want = [lay.atoms(a) for a in (("B",), heads, ("PG", "OFF"), ("D",))]
+    if lay.dims != want:
+        raise Refused(f"{what} arrives as {lay.dims}, not [B, heads, pages * page_size, D]")
+    if lay.dtype != torch.float16:
+        raise Refused(f"{what} is {lay.dtype} at SDPA, not float16")
+    H = lay.sizes["H"]
+    G = H_q // H if gqa and lay.sizes["G"] == 1 else lay.sizes["G"]
+    if G * H != H_q:
+        raise Refused(f"{what}: {H} KV heads x group {G} != {H_q} query heads")
+
+
+def _mask_seq_lens(mask, B: int, Q: int, T: int):
+    if not isinstance(mask, fx.Node) or mask.target is not VERIFIER_MASK:
+        raise Refused("attn_mask is not sm70attn.verifier_mask(...)")
+    seq_lens, q_rows, kv_len = mask.args
+    if (q_rows, kv_len) != (Q, T):
+        raise Refused(f"verifier_mask(q_rows={q_rows}, kv_len={kv_len}) != (Q={Q}, T={T})")
+    return seq_lens
+
+
+def rewrite_sdpa(graph: fx.Graph, sdpa: fx.Node) -> None:
+    q_node, k_node, v_node = sdpa.args[:3]
+    mask = arg(sdpa, 3, "attn_mask")
+    if arg(sdpa, 4, "dropout_p", 0.0) != 0.0:
+        raise Refused("dropout_p != 0")
+    if arg(sdpa, 5, "is_causal", False):
+        raise Refused("is_causal=True (the op's mask is the verifier mask)")
+    scale = arg(sdpa, 6, "scale")
+    gqa = bool(sdpa.kwargs.get("enable_gqa", False))
+    q = meta(q_node)
+    if q.dim() != 4:
+        raise Refused("query is not 4-D")
+    B, H_q, Q, D = (static(int(s)) for s in q.shape)
+    k, v = _trace_back(k_node, sdpa), _trace_back(v_node, sdpa)
+    if q.dtype != torch.float16:
+        raise Refused(f"query is {q.dtype}, not float16")
+    _check_kv(k, H_q, gqa, "K")
+    _check_kv(v, H_q, gqa, "V")
+    if k.bt is not v.bt:
+        raise Refused("K and V use different block tables")
+    if k.sizes != v.sizes:
+        raise Refused("K and V caches differ in shape")
+    if k.sizes["B"] != B or k.sizes["D"] != D:
+        raise Refused("query and cache disagree on batch or head dim")
+    T = k.sizes["PG"] * k.sizes["OFF"]
+    seq_lens = _mask_seq_lens(mask, B, Q, T)
+    if meta(seq_lens).dtype != torch.int32 or meta(k.bt).dtype != torch.int32:
+        raise Refused("seq_lens / block_table are not int32")
+    if q.stride(-1) != 1:
+        raise Refused("query last dim is not contiguous")
+    if routes.disabled():
+        raise Refused("TORCH_SM70ATTN_DISABLE=1")
+    why = routes.shape_refusal(q, meta(k.cache), meta(k.bt))
+    if why:
+        raise Refused(why)
+    if scale is None:
+        scale = D**-0.5
+    if not isinstance(scale, (int, float)):
+        raise Refused("SDPA scale is not a Python number")
+
+    with graph.inserting_before(sdpa):
+        ks = scale_node(graph, k.scale, q.device)
+        vs = scale_node(graph, v.scale, q.device)
+        fused = graph.call_function(
+            torch.ops.sm70attn.paged_attention.default,
+            (q_node, k.cache, v.cache, k.bt, seq_lens, float(scale), ks, vs),
+        )
+    fake(fused)
+    sdpa.replace_all_uses_with(fused)
+    erase_dead(graph, [sdpa])
+
+
+def rewrite_graph(graph: fx.Graph) -> int:
+    """Rewrite every provable SDPA-over-paged-cache in `graph`; returns how many."""
+    done = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in SDPA:
+            continue
+        try:
+            rewrite_sdpa(graph, node)
+        except Refused as e:
+            counters["sm70attn"]["sdpa_refused"] += 1
+            log.debug("sm70attn: SDPA %s left unchanged: %s", node.name, e)
+            continue
+        counters["sm70attn"]["paged_attention_rewrite"] += 1
+        log.debug("sm70attn: SDPA %s -> sm70attn.paged_attention", node.name)
+        done += 1
+    return done
