@@ -4,8 +4,10 @@ On a V100, inductor must see no FP8 arithmetic (Triton has no E4M3 type below SM
 write of new K/V tokens into the E4M3 cache becomes one call of the fused op. Accepted
 (both K and V, with the same slot mapping):
 
-    q = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)     x [T, H_kv, D] float16,
-        (x.float() first, torch.clamp(...), clamp(min=, max=))    scale: float / [] / [1] / [H_kv]
+    q = (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)   x [T, H_kv, D] float16,
+        (torch.clamp(...), clamp(min=, max=))        scale: float / [] / [1] / [H_kv]
+    The division must happen in float32 (x.float(), or a scale tensor that promotes): an
+    fp16 x divided by a 0-d scale rounds the quotient to fp16 first, which the op does not.
     cache.view(-1, H_kv, D)[slot_mapping] = q                    slot assignment
     cache.view(-1, H_kv, D).index_put_((slot_mapping,), q)
     cache.view(-1, H_kv, D).index_copy_(0, slot_mapping, q)
@@ -96,6 +98,10 @@ class Write:
             raise Refused("quantized value is not x / scale")
         if div.kwargs.get("rounding_mode") is not None:
             raise Refused("division with a rounding mode")
+        if meta(div).dtype != torch.float32:
+            # fp16 x / a 0-d scale divides in fp16: rounding twice (fp16, then e4m3) can differ
+            # from the op's single rounding of the float32 quotient.
+            raise Refused(f"x / scale is computed in {meta(div).dtype}; write x.float() / scale")
         x, scale = div.args[0], div.args[1]
         if target_name(x) == "float" and len(x.users) == 1:
             x = x.args[0]
@@ -137,12 +143,12 @@ def rewrite_graph(graph: fx.Graph) -> int:
                 if getattr(meta(node.args[0]), "dtype", None) == FP8:
                     counters["sm70attn"]["store_refused"] += 1
                     log.debug("sm70attn: cache write %s left unchanged: %s", node.name, e)
-    order = {n: i for i, n in enumerate(graph.nodes)}
     done, used = 0, set()
     for i, a in enumerate(writes):
         for b in writes[i + 1 :]:
             if a in used or b in used or a.slots is not b.slots or a.cache is b.cache:
                 continue
+            order = {n: j for j, n in enumerate(graph.nodes)}
             if meta(a.cache).shape != meta(b.cache).shape:
                 continue
             between = [n for n in graph.nodes if order[a.node] < order[n] < order[b.node]]
