@@ -1,0 +1,258 @@
+// Torch binding: CUDA implementations of the sm70attn ops whose schemas are defined in Python
+// (torch_sm70attn), plus `digest` and `set_validate` for the JIT loader. The only file that
+// includes torch; kernels live in torch-free headers under sm70attn/.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <string>
+
+#include "sm70attn/launch.h"
+
+#ifndef SM70ATTN_DIGEST
+#define SM70ATTN_DIGEST "unset"
+#endif
+
+namespace {
+
+using sm70attn::i64;
+
+std::atomic<bool> g_validate{false};
+
+// A stride only matters along a dimension of size > 1.
+bool strides_aligned(const at::Tensor& t, int upto, i64 align) {
+  for (int d = 0; d < upto; ++d)
+    if (t.size(d) > 1 && t.stride(d) % align != 0) return false;
+  return true;
+}
+
+bool ptr_aligned(const at::Tensor& t, i64 align) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % align == 0;
+}
+
+void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, name, " must be contiguous in its last dim, got strides ",
+                    t.strides());
+}
+
+void check_device(const at::Tensor& t, const at::Tensor& ref, const char* name) {
+  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == ref.device(), name, " must be on ", ref.device(), ", got ",
+                    t.device());
+}
+
+// k_scale / v_scale: float32 with one element or one per KV head; returns the element stride.
+int scale_stride(const at::Tensor& s, i64 h_kv, const at::Tensor& ref, const char* name) {
+  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, name, " must be float32, got ", s.scalar_type());
+  TORCH_CHECK_VALUE(s.numel() == 1 || (s.dim() == 1 && s.size(0) == h_kv), name,
+                    " must have 1 element or H_kv = ", h_kv, ", got shape ", s.sizes());
+  check_device(s, ref, name);
+  TORCH_CHECK_VALUE(s.numel() == 1 || s.stride(0) <= INT_MAX, name, " stride too large");
+  return s.numel() == 1 ? 0 : (int)s.stride(0);
+}
+
+// Host-side check of the values the kernel otherwise clamps/skips (validate mode only).
+void validate_lengths_and_pages(const at::Tensor& seq_lens, const at::Tensor& block_table, i64 page_size,
+                                i64 capacity, i64 num_pages) {
+  const at::Tensor lens = seq_lens.cpu(), bt = block_table.cpu();
+  const auto l = lens.accessor<int, 1>();
+  const auto t = bt.accessor<int, 2>();
+  for (i64 b = 0; b < l.size(0); ++b) {
+    const i64 len = l[b];
+    TORCH_CHECK_VALUE(len >= 0 && len <= capacity, "seq_lens[", b, "] = ", len, " is outside [0, capacity = ",
+                      capacity, "] (capacity = block_table.size(1) * page_size)");
+    const i64 pages = (len + page_size - 1) / page_size;
+    for (i64 i = 0; i < pages; ++i)
+      TORCH_CHECK_VALUE(t[b][i] >= 0 && t[b][i] < num_pages, "block_table[", b, ", ", i, "] = ", t[b][i],
+                        " is outside [0, num_pages = ", num_pages, ") (used by seq_lens[", b, "] = ", len, ")");
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                           const at::Tensor& k_scale, const at::Tensor& v_scale) {
+  TORCH_CHECK_TYPE(query.scalar_type() == at::kHalf, "query must be float16, got ", query.scalar_type());
+  TORCH_CHECK_TYPE(key_cache.scalar_type() == at::kFloat8_e4m3fn, "key_cache must be float8_e4m3fn, got ",
+                   key_cache.scalar_type());
+  TORCH_CHECK_TYPE(value_cache.scalar_type() == at::kFloat8_e4m3fn, "value_cache must be float8_e4m3fn, got ",
+                   value_cache.scalar_type());
+  TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt, "block_table must be int32, got ",
+                   block_table.scalar_type());
+  TORCH_CHECK_TYPE(seq_lens.scalar_type() == at::kInt, "seq_lens must be int32, got ", seq_lens.scalar_type());
+  TORCH_CHECK_VALUE(query.dim() == 4, "query must be [B, H_q, Q, D], got shape ", query.sizes());
+  TORCH_CHECK_VALUE(key_cache.dim() == 4, "key_cache must be [P, page_size, H_kv, D], got shape ",
+                    key_cache.sizes());
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
+                    " != key_cache shape ", key_cache.sizes());
+  TORCH_CHECK_VALUE(block_table.dim() == 2, "block_table must be [B, max_pages], got shape ", block_table.sizes());
+  TORCH_CHECK_VALUE(seq_lens.dim() == 1, "seq_lens must be [B], got shape ", seq_lens.sizes());
+
+  const i64 B = query.size(0), H_q = query.size(1), Q = query.size(2), D = query.size(3);
+  const i64 P = key_cache.size(0), page_size = key_cache.size(1), H_kv = key_cache.size(2);
+  const i64 max_pages = block_table.size(1);
+  TORCH_CHECK_VALUE(key_cache.size(3) == D, "key_cache head dim ", key_cache.size(3), " != query head dim ", D);
+  TORCH_CHECK_VALUE(H_kv > 0 && H_q % H_kv == 0, "query heads H_q = ", H_q,
+                    " must be a multiple of the KV heads H_kv = ", H_kv);
+  TORCH_CHECK_VALUE(block_table.size(0) == B && seq_lens.size(0) == B, "block_table rows (", block_table.size(0),
+                    ") and seq_lens size (", seq_lens.size(0), ") must equal the batch size B = ", B);
+  check_last_dim_contiguous(query, "query");
+  check_last_dim_contiguous(key_cache, "key_cache");
+  check_last_dim_contiguous(value_cache, "value_cache");
+  check_last_dim_contiguous(block_table, "block_table");
+  TORCH_CHECK_VALUE(query.is_cuda(), "query must be a CUDA tensor, got ", query.device());
+  check_device(key_cache, query, "key_cache");
+  check_device(value_cache, query, "value_cache");
+  check_device(block_table, query, "block_table");
+  check_device(seq_lens, query, "seq_lens");
+  const int ks_stride = scale_stride(k_scale, H_kv, query, "k_scale");
+  const int vs_stride = scale_stride(v_scale, H_kv, query, "v_scale");
+
+  // Shapes the kernels are built for.
+  const i64 G = H_q / H_kv;
+  TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 256, "head dim ", D, " is not supported (64, 128, 256)");
+  TORCH_CHECK_VALUE(G >= 1 && G <= 8, "group size H_q / H_kv = ", G, " is not supported (1..8)");
+  TORCH_CHECK_VALUE(Q >= 1 && Q <= 16, "query rows Q = ", Q, " is not supported (1..16)");
+  const i64 capacity = max_pages * page_size;
+  TORCH_CHECK_VALUE(capacity <= INT_MAX && P <= INT_MAX, "capacity (max_pages * page_size = ", capacity,
+                    ") and num_pages (", P, ") must fit in int32");
+
+  // 16-byte KV loads when every row start is 16-byte aligned, else 8-byte loads.
+  auto kv_aligned = [&](i64 a) {
+    return ptr_aligned(key_cache, a) && ptr_aligned(value_cache, a) && strides_aligned(key_cache, 3, a) &&
+           strides_aligned(value_cache, 3, a);
+  };
+  const int vec = kv_aligned(16) ? 16 : 8;
+  TORCH_CHECK_VALUE(vec == 16 || kv_aligned(8), "key_cache/value_cache rows must be 8-byte aligned (data_ptr ",
+                    "and strides of dims 0..2), got strides ", key_cache.strides(), " and ", value_cache.strides());
+
+  const c10::cuda::CUDAGuard guard(query.device());
+  at::Tensor out = at::empty({B, H_q, Q, D}, query.options());
+  if (B == 0 || H_q == 0) return out;
+
+  if (g_validate.load() &&
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None)
+    validate_lengths_and_pages(seq_lens, block_table, page_size, capacity, P);
+
+  int num_sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, query.get_device()));
+  const sm70attn::AttnPlan plan = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D,
+                                                                 capacity, num_sms);
+  TORCH_CHECK_VALUE(B * H_kv * plan.row_groups <= INT_MAX && B * H_q * Q <= INT_MAX, "batch B = ", B,
+                    " is too large for the launch grid");
+  at::Tensor workspace;
+  if (plan.workspace_floats > 0)
+    workspace = at::empty({plan.workspace_floats}, query.options().dtype(at::kFloat));
+
+  sm70attn::PagedAttnParams p{};
+  p.q = reinterpret_cast<const __half*>(query.data_ptr<at::Half>());
+  p.q_stride_b = query.stride(0), p.q_stride_h = query.stride(1), p.q_stride_r = query.stride(2);
+  p.k = reinterpret_cast<const unsigned char*>(key_cache.data_ptr());
+  p.v = reinterpret_cast<const unsigned char*>(value_cache.data_ptr());
+  p.k_stride_page = key_cache.stride(0), p.k_stride_tok = key_cache.stride(1), p.k_stride_head = key_cache.stride(2);
+  p.v_stride_page = value_cache.stride(0), p.v_stride_tok = value_cache.stride(1);
+  p.v_stride_head = value_cache.stride(2);
+  p.block_table = block_table.data_ptr<int>();
+  p.bt_stride_b = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.seq_lens_stride = seq_lens.stride(0);
+  p.k_scale = k_scale.data_ptr<float>(), p.v_scale = v_scale.data_ptr<float>();
+  p.k_scale_stride = ks_stride, p.v_scale_stride = vs_stride;
+  p.out = reinterpret_cast<__half*>(out.data_ptr<at::Half>());
+  p.B = (int)B, p.H_q = (int)H_q, p.H_kv = (int)H_kv, p.G = (int)G, p.Q = (int)Q, p.D = (int)D;
+  p.page_size = (int)page_size, p.max_pages = (int)max_pages, p.num_pages = (int)P;
+  p.rows = (int)(G * Q);
+  p.row_groups = plan.row_groups, p.num_splits = plan.num_splits;
+  p.scale_log2 = (float)(scale * 1.4426950408889634);  // log2(e)
+  p.q_vec16 = ptr_aligned(query, 16) && strides_aligned(query, 3, 8);
+  sm70attn::set_workspace(p, plan.workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr);
+
+  C10_CUDA_CHECK(sm70attn::launch_paged_attention(p, plan.mb, vec, c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+              const at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+              const at::Tensor& v_scale) {
+  TORCH_CHECK_TYPE(key.scalar_type() == at::kHalf, "key must be float16, got ", key.scalar_type());
+  TORCH_CHECK_TYPE(value.scalar_type() == at::kHalf, "value must be float16, got ", value.scalar_type());
+  TORCH_CHECK_TYPE(key_cache.scalar_type() == at::kFloat8_e4m3fn, "key_cache must be float8_e4m3fn, got ",
+                   key_cache.scalar_type());
+  TORCH_CHECK_TYPE(value_cache.scalar_type() == at::kFloat8_e4m3fn, "value_cache must be float8_e4m3fn, got ",
+                   value_cache.scalar_type());
+  TORCH_CHECK_TYPE(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64, got ",
+                   slot_mapping.scalar_type());
+  TORCH_CHECK_VALUE(key.dim() == 3, "key must be [T, H_kv, D], got shape ", key.sizes());
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value shape ", value.sizes(), " != key shape ", key.sizes());
+  TORCH_CHECK_VALUE(key_cache.dim() == 4, "key_cache must be [P, page_size, H_kv, D], got shape ",
+                    key_cache.sizes());
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
+                    " != key_cache shape ", key_cache.sizes());
+  const i64 T = key.size(0), H_kv = key.size(1), D = key.size(2);
+  const i64 P = key_cache.size(0), page_size = key_cache.size(1);
+  TORCH_CHECK_VALUE(key_cache.size(2) == H_kv && key_cache.size(3) == D, "key_cache [P, page_size, H_kv, D] = ",
+                    key_cache.sizes(), " does not match key [T, H_kv, D] = ", key.sizes());
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == T, "slot_mapping must be [T = ", T,
+                    "], got shape ", slot_mapping.sizes());
+  check_last_dim_contiguous(key, "key");
+  check_last_dim_contiguous(value, "value");
+  check_last_dim_contiguous(key_cache, "key_cache");
+  check_last_dim_contiguous(value_cache, "value_cache");
+  TORCH_CHECK_VALUE(key.is_cuda(), "key must be a CUDA tensor, got ", key.device());
+  check_device(value, key, "value");
+  check_device(key_cache, key, "key_cache");
+  check_device(value_cache, key, "value_cache");
+  check_device(slot_mapping, key, "slot_mapping");
+  const int ks_stride = scale_stride(k_scale, H_kv, key, "k_scale");
+  const int vs_stride = scale_stride(v_scale, H_kv, key, "v_scale");
+  TORCH_CHECK_VALUE(T <= INT_MAX && P <= INT_MAX && page_size <= INT_MAX && H_kv <= INT_MAX && D <= INT_MAX,
+                    "store_kv sizes must fit in int32");
+  if (T == 0 || H_kv == 0 || D == 0) return;
+  const i64 items = T * H_kv * D;
+  TORCH_CHECK_VALUE(items / sm70attn::StoreKVTraits::THREADS < INT_MAX, "store_kv: too many elements");
+
+  sm70attn::StoreKVParams p{};
+  p.key = reinterpret_cast<const __half*>(key.data_ptr<at::Half>());
+  p.value = reinterpret_cast<const __half*>(value.data_ptr<at::Half>());
+  p.key_stride_t = key.stride(0), p.key_stride_h = key.stride(1);
+  p.value_stride_t = value.stride(0), p.value_stride_h = value.stride(1);
+  p.k_cache = reinterpret_cast<unsigned char*>(key_cache.data_ptr());
+  p.v_cache = reinterpret_cast<unsigned char*>(value_cache.data_ptr());
+  p.kc_stride_page = key_cache.stride(0), p.kc_stride_tok = key_cache.stride(1);
+  p.kc_stride_head = key_cache.stride(2);
+  p.vc_stride_page = value_cache.stride(0), p.vc_stride_tok = value_cache.stride(1);
+  p.vc_stride_head = value_cache.stride(2);
+  p.slot_mapping = reinterpret_cast<const i64*>(slot_mapping.data_ptr<int64_t>());
+  p.slot_stride = slot_mapping.stride(0);
+  p.k_scale = k_scale.data_ptr<float>(), p.v_scale = v_scale.data_ptr<float>();
+  p.k_scale_stride = ks_stride, p.v_scale_stride = vs_stride;
+  p.T = (int)T, p.H_kv = (int)H_kv, p.D = (int)D, p.page_size = (int)page_size, p.num_pages = (int)P;
+  // 16-byte fp16 loads and 8-byte e4m3 stores when every row allows them.
+  p.vec8 = D % 8 == 0 && ptr_aligned(key, 16) && ptr_aligned(value, 16) && strides_aligned(key, 2, 8) &&
+           strides_aligned(value, 2, 8) && ptr_aligned(key_cache, 8) && ptr_aligned(value_cache, 8) &&
+           strides_aligned(key_cache, 3, 8) && strides_aligned(value_cache, 3, 8);
+
+  const c10::cuda::CUDAGuard guard(key.device());
+  sm70attn::launch_store_kv(p, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(sm70attn, CUDA, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("store_kv", &store_kv);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("digest", [] { return std::string(SM70ATTN_DIGEST); }, "source digest this library was built from");
+  m.def("set_validate", [](bool on) { g_validate.store(on); },
+        "host-side checks of seq_lens and block_table in paged_attention (syncs; skipped while capturing)");
+}

@@ -1,0 +1,50 @@
+// Host-side launches (torch-free): the binding checks inputs, fills the params, allocates the
+// workspace the plan (plan.h) asks for and calls these on its current stream.
+#pragma once
+
+#ifndef __CUDACC_RTC__
+#include <cuda_runtime.h>
+
+#include "sm70attn/combine.cuh"
+#include "sm70attn/paged_attention.cuh"
+#include "sm70attn/params.h"
+#include "sm70attn/plan.h"
+#include "sm70attn/static_switch.h"
+#include "sm70attn/store_kv.cuh"
+#include "sm70attn/traits.h"
+
+namespace sm70attn {
+
+// p.num_splits / p.row_groups from the plan. cudaErrorInvalidValue: (D, mb, vec) not built.
+// Launch errors are left for the caller's cudaGetLastError.
+inline cudaError_t launch_paged_attention(const PagedAttnParams& p, int mb, int vec,
+                                          cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  attn_switch(p.D, mb, vec, [&](auto kt) {
+    using KT = decltype(kt);
+    auto kernel = paged_attention_kernel<KT>;
+    err = KT::SMEM_BYTES > 48 * 1024
+              ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, KT::SMEM_BYTES)
+              : cudaSuccess;
+    if (err != cudaSuccess) return;
+    kernel<<<dim3(p.B * p.H_kv * p.row_groups, p.num_splits), KT::THREADS, KT::SMEM_BYTES, stream>>>(p);
+  });
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  err = cudaErrorInvalidValue;
+  combine_switch(p.D, [&](auto ct) {
+    using CT = decltype(ct);
+    combine_kernel<CT><<<(unsigned)((i64)p.B * p.H_q * p.Q), CT::THREADS, CT::SMEM_BYTES, stream>>>(p);
+    err = cudaSuccess;
+  });
+  return err;
+}
+
+inline void launch_store_kv(const StoreKVParams& p, cudaStream_t stream) {
+  const i64 items = (i64)p.T * p.H_kv * (p.vec8 ? p.D / 8 : p.D);
+  if (items == 0) return;
+  const i64 blocks = (items + StoreKVTraits::THREADS - 1) / StoreKVTraits::THREADS;
+  store_kv_kernel<<<(unsigned)blocks, StoreKVTraits::THREADS, 0, stream>>>(p);
+}
+
+}  // namespace sm70attn
+#endif  // __CUDACC_RTC__

@@ -1,0 +1,249 @@
+// Paged attention over an e4m3 KV cache on tensor cores (WMMA 16x16x16, fp16 in, fp32 acc).
+//
+// One CTA = (request b, KV head, row group, context split). Its rows are the G x Q query rows
+// that share the KV head (row m = g * Q + r, which is also their order in the output), so
+// every KV byte is read once per row group; all shapes we build for have one row group except
+// D=256 with G * Q > 64. Per tile of N tokens:
+//   gather+dequant K,V -> smem fp16 | S = Q K^T (WMMA) -> smem fp32 | online softmax (fp32,
+//   one warp per row) -> P fp16 over S | O = alpha * O + P V (WMMA, O in registers).
+// The next tile's global loads are issued before the math of the current one (register
+// staging, kv_tile.h). The split writes fp16 out directly (num_splits == 1) or fp32 partials
+// (row max, row sum, unnormalised O) for combine.cuh.
+//
+// Few rows (decode, G * Q <= 16) use this same kernel with the rows padded to 16: padding
+// costs tensor-core work only (32 flop per KV byte; SM70 has ~139 flop/byte of fp16 tensor
+// throughput per byte of HBM bandwidth), while an FP32 CUDA-core path would be compute-bound
+// at G = 8 on V100 (16 FMA-flop per KV byte against 17 available) and is a second kernel to
+// keep right.
+#pragma once
+
+#include <mma.h>
+
+#include "sm70attn/kv_tile.h"
+#include "sm70attn/params.h"
+#include "sm70attn/traits.h"
+#include "sm70attn/utils.h"
+
+namespace sm70attn {
+
+template <class KT>
+__global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
+    paged_attention_kernel(const PagedAttnParams p) {
+  namespace wmma = nvcuda::wmma;
+  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major>;
+  using FragKt = wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major>;
+  using FragV = wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major>;
+  using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+  constexpr int D = KT::D, N = KT::N, ROWS = KT::ROWS, WN = KT::WN;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  __half* Qs = reinterpret_cast<__half*>(smem + KT::Q_OFF);  // [ROWS][QLD]
+  __half* Ks = reinterpret_cast<__half*>(smem + KT::K_OFF);  // [N][KLD]
+  __half* Vs = reinterpret_cast<__half*>(smem + KT::V_OFF);  // [N][KLD]
+  float* Ss = reinterpret_cast<float*>(smem + KT::S_OFF);    // [ROWS][SLD]
+  __half* Ps = reinterpret_cast<__half*>(Ss);                // [ROWS][PLD], row r inside S row r
+  float* As = Ss + N / 2;                                    // [ROWS][SLD], 16 per row, after P
+  float* Es = reinterpret_cast<float*>(smem);                // [ROWS][ELD], epilogue only
+  float* row_m = reinterpret_cast<float*>(smem + KT::ROW_OFF);  // running max (log2 units)
+  float* row_l = row_m + ROWS;                                  // running sum
+  int* tok_ok = reinterpret_cast<int*>(smem + KT::TOK_OFF);     // [N]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int mblk = warp / WN, wn = warp % WN;  // this warp's 16-row block and column share
+
+  const int rg = blockIdx.x % p.row_groups, bkv = blockIdx.x / p.row_groups;
+  const int kvh = bkv % p.H_kv, b = bkv / p.H_kv, split = blockIdx.y;
+  const int row0 = rg * ROWS, nrows = min(ROWS, p.rows - row0);
+  const i64 out_row0 = ((i64)b * p.H_q + (i64)kvh * p.G) * p.Q + row0;  // [B*H_q*Q] row index
+
+  // This split's tokens: ceil(len / num_splits) rounded up to whole tiles, so the work follows
+  // the actual length while the grid depends on shapes only. Lengths are clamped to capacity.
+  const int capacity = p.max_pages * p.page_size;
+  const int len = min(max(p.seq_lens[b * p.seq_lens_stride], 0), capacity);
+  const int chunk = ((len + p.num_splits - 1) / p.num_splits + N - 1) / N * N;
+  const int t_begin = (int)min((i64)len, (i64)split * chunk);
+  const int t_end = min(len, t_begin + chunk);
+
+  if (t_begin >= t_end) {  // nothing to see: zero rows, or an empty partial (m = -inf, l = 0, O = 0)
+    if (p.num_splits == 1) {
+      for (int c = tid; c < nrows * (D / 8); c += KT::THREADS)
+        *reinterpret_cast<uint4*>(p.out + (out_row0 + c / (D / 8)) * D + c % (D / 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
+    } else {
+      for (int c = tid; c < nrows * (D / 4); c += KT::THREADS)
+        *reinterpret_cast<float4*>(p.part_acc + ((out_row0 + c / (D / 4)) * p.num_splits + split) * D + c % (D / 4) * 4) =
+            make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int lr = tid; lr < nrows; lr += KT::THREADS)
+        p.part_ml[(out_row0 + lr) * p.num_splits + split] = make_float2(neg_inf(), 0.f);
+    }
+    return;
+  }
+
+  // Q rows -> fp16 shared memory; padding rows are zero (and fully masked below).
+  for (int c = tid; c < ROWS * (D / 8); c += KT::THREADS) {
+    const int lr = c / (D / 8), part = c % (D / 8);
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (lr < nrows) {
+      const int m = row0 + lr, g = m / p.Q, r = m - g * p.Q;
+      const __half* src = p.q + b * p.q_stride_b + (i64)(kvh * p.G + g) * p.q_stride_h +
+                          r * p.q_stride_r + part * 8;
+      if (p.q_vec16) {
+        x = __ldg(reinterpret_cast<const uint4*>(src));
+      } else {
+        const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
+        x.x = __ldg(s + 0) | (unsigned)__ldg(s + 1) << 16;
+        x.y = __ldg(s + 2) | (unsigned)__ldg(s + 3) << 16;
+        x.z = __ldg(s + 4) | (unsigned)__ldg(s + 5) << 16;
+        x.w = __ldg(s + 6) | (unsigned)__ldg(s + 7) << 16;
+      }
+    }
+    *reinterpret_cast<uint4*>(Qs + lr * KT::QLD + part * 8) = x;
+  }
+  for (int i = tid; i < ROWS; i += KT::THREADS) {
+    row_m[i] = neg_inf();
+    row_l[i] = 0.f;
+  }
+  __syncthreads();
+
+  FragC o[KT::DPW];  // O[mblk rows][(wn * DPW + k) * 16 ...], unnormalised
+#pragma unroll
+  for (int k = 0; k < KT::DPW; ++k) wmma::fill_fragment(o[k], 0.f);
+
+  // Score scale in log2 units: softmax scale * k_scale * 2^8 (e4m3 -> fp16 leaves K at 2^-8).
+  const float sl2 = p.scale_log2 * __ldg(p.k_scale + kvh * p.k_scale_stride) * 256.f;
+  const unsigned char* kb = p.k + kvh * p.k_stride_head;
+  const unsigned char* vb = p.v + kvh * p.v_stride_head;
+  const int* bt = p.block_table + b * p.bt_stride_b;
+
+  KvStage<KT> st;
+  st.load(p, kb, vb, bt, t_begin, t_end, tid);
+  for (int t0 = t_begin; t0 < t_end; t0 += N) {
+    __syncthreads();  // previous tile's PV done with K, V, P
+    st.store(Ks, Vs, tok_ok, tid);
+    __syncthreads();
+    if (t0 + N < t_end) st.load(p, kb, vb, bt, t0 + N, t_end, tid);
+
+    // S = Q K^T: warp (mblk, wn) computes S tiles n = wn, wn + WN, ... of its row block.
+    {
+      FragC s[KT::SPW];
+#pragma unroll
+      for (int k = 0; k < KT::SPW; ++k) wmma::fill_fragment(s[k], 0.f);
+#pragma unroll 2
+      for (int kk = 0; kk < KT::DB; ++kk) {
+        FragA a;
+        wmma::load_matrix_sync(a, Qs + mblk * 16 * KT::QLD + kk * 16, KT::QLD);
+#pragma unroll
+        for (int k = 0; k < KT::SPW; ++k) {
+          const int n = wn + k * WN;
+          if (KT::NB % WN == 0 || n < KT::NB) {
+            FragKt bk;
+            wmma::load_matrix_sync(bk, Ks + n * 16 * KT::KLD + kk * 16, KT::KLD);
+            wmma::mma_sync(s[k], a, bk, s[k]);
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < KT::SPW; ++k) {
+        const int n = wn + k * WN;
+        if (KT::NB % WN == 0 || n < KT::NB)
+          wmma::store_matrix_sync(Ss + mblk * 16 * KT::SLD + n * 16, s[k], KT::SLD, wmma::mem_row_major);
+      }
+    }
+    __syncthreads();
+
+    // Online softmax, fp32, one warp per row (N / 32 tokens per lane). Row r of request b
+    // sees t <= len - Q + r; tokens on invalid pages are masked like future ones.
+#pragma unroll 2
+    for (int k = 0; k < 16 / WN; ++k) {
+      const int lr = mblk * 16 + wn + k * WN;
+      if (lr >= nrows) {  // padding row (warp-uniform): P = 0 and alpha = 0 keep its O at 0
+#pragma unroll
+        for (int c = 0; c < N / 32; ++c) Ps[lr * KT::PLD + lane + 32 * c] = __ushort_as_half(0);
+        if (lane < 16) As[lr * KT::SLD + lane] = 0.f;
+        continue;
+      }
+      const int last = len - p.Q + (row0 + lr) % p.Q - t0;  // last visible token, tile-relative
+      float s[N / 32];
+      float mx = neg_inf();
+#pragma unroll
+      for (int c = 0; c < N / 32; ++c) {
+        const int j = lane + 32 * c;
+        s[c] = (j <= last && tok_ok[j]) ? Ss[lr * KT::SLD + j] * sl2 : neg_inf();
+        mx = fmaxf(mx, s[c]);
+      }
+      mx = warp_max(mx);
+      const float m_old = row_m[lr], l_old = row_l[lr];
+      const float m_new = fmaxf(m_old, mx);
+      const float m_use = m_new == neg_inf() ? 0.f : m_new;  // fully masked so far: p = 0
+      __syncwarp();  // the row's S values and state are read before P and state overwrite them
+      float sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < N / 32; ++c) {
+        const float pr = exp2f(s[c] - m_use);
+        sum += pr;
+        Ps[lr * KT::PLD + lane + 32 * c] = __float2half_rn(pr);
+      }
+      sum = warp_sum(sum);
+      const float alpha = exp2f(m_old - m_use);
+      if (lane < 16) As[lr * KT::SLD + lane] = alpha;  // per row block a 16 x 16 tile: alpha of row i
+      if (lane == 0) {
+        row_m[lr] = m_new;
+        row_l[lr] = l_old * alpha + sum;
+      }
+    }
+    __syncthreads();
+
+    // O = alpha * O + P V: warp (mblk, wn) owns O tiles wn * DPW .. wn * DPW + DPW - 1.
+    {
+      // Rows of O scale by alpha: the alpha tile is loaded as an accumulator fragment, so its
+      // elements line up with O's whatever the (opaque) fragment layout.
+      FragC a;
+      wmma::load_matrix_sync(a, As + mblk * 16 * KT::SLD, KT::SLD, wmma::mem_row_major);
+#pragma unroll
+      for (int k = 0; k < KT::DPW; ++k)
+#pragma unroll
+        for (int e = 0; e < FragC::num_elements; ++e) o[k].x[e] *= a.x[e];
+#pragma unroll
+      for (int nn = 0; nn < KT::NB; ++nn) {
+        FragA pa;
+        wmma::load_matrix_sync(pa, Ps + mblk * 16 * KT::PLD + nn * 16, KT::PLD);
+#pragma unroll
+        for (int k = 0; k < KT::DPW; ++k) {
+          FragV bv;
+          wmma::load_matrix_sync(bv, Vs + nn * 16 * KT::KLD + (wn * KT::DPW + k) * 16, KT::KLD);
+          wmma::mma_sync(o[k], pa, bv, o[k]);
+        }
+      }
+    }
+  }
+
+  // Epilogue: O -> smem (fp32) -> coalesced rows of out (fp16, normalised, * v_scale * 2^8)
+  // or of the fp32 partials.
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < KT::DPW; ++k)
+    wmma::store_matrix_sync(Es + mblk * 16 * KT::ELD + (wn * KT::DPW + k) * 16, o[k], KT::ELD,
+                            wmma::mem_row_major);
+  __syncthreads();
+  if (p.num_splits == 1) {
+    const float vsc = __ldg(p.v_scale + kvh * p.v_scale_stride) * 256.f;
+    for (int c = tid; c < nrows * (D / 8); c += KT::THREADS) {
+      const int lr = c / (D / 8), part = c % (D / 8);
+      const float l = row_l[lr], f = l > 0.f ? vsc / l : 0.f;
+      const float4 e0 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8);
+      const float4 e1 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8 + 4);
+      *reinterpret_cast<uint4*>(p.out + (out_row0 + lr) * D + part * 8) =
+          make_uint4(pack_half2(e0.x * f, e0.y * f), pack_half2(e0.z * f, e0.w * f),
+                     pack_half2(e1.x * f, e1.y * f), pack_half2(e1.z * f, e1.w * f));
+    }
+  } else {
+    for (int c = tid; c < nrows * (D / 4); c += KT::THREADS) {
+      const int lr = c / (D / 4), part = c % (D / 4);
+      *reinterpret_cast<float4*>(p.part_acc + ((out_row0 + lr) * p.num_splits + split) * D + part * 4) =
+          *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 4);
+    }
+    for (int lr = tid; lr < nrows; lr += KT::THREADS)
+      p.part_ml[(out_row0 + lr) * p.num_splits + split] = make_float2(row_m[lr], row_l[lr]);
+  }
+}
+
+}  // namespace sm70attn

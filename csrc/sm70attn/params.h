@@ -1,0 +1,54 @@
+// Kernel parameters: raw pointers and strides only (no torch). The binding fills these.
+// Strides are in elements of the pointed-to type (fp8 caches: bytes).
+#pragma once
+
+#include <cuda_fp16.h>
+
+namespace sm70attn {
+
+using i64 = long long;  // NVRTC has no <cstdint>
+
+struct PagedAttnParams {
+  const __half* q;  // [B, H_q, Q, D], last dim contiguous
+  i64 q_stride_b, q_stride_h, q_stride_r;
+  const unsigned char* k;  // [P, page_size, H_kv, D] e4m3 bytes, last dim contiguous
+  const unsigned char* v;  // same shape as k, own strides
+  i64 k_stride_page, k_stride_tok, k_stride_head;
+  i64 v_stride_page, v_stride_tok, v_stride_head;
+  const int* block_table;  // [B, max_pages]
+  i64 bt_stride_b;
+  const int* seq_lens;  // [B]
+  i64 seq_lens_stride;
+  const float* k_scale;  // [1] or [H_kv]; element kvh * k_scale_stride (stride 0 when shared)
+  const float* v_scale;
+  int k_scale_stride, v_scale_stride;
+  __half* out;         // [B, H_q, Q, D] contiguous
+  float* part_acc;     // [B * H_q * Q, num_splits, D] unnormalised acc (num_splits > 1 only)
+  float2* part_ml;     // [B * H_q * Q, num_splits] (row max in log2 units, row sum)
+  int B, H_q, H_kv, G, Q, D;
+  int page_size, max_pages, num_pages;  // capacity = max_pages * page_size (fits in int)
+  int rows;        // G * Q: query rows sharing one KV head
+  int row_groups;  // CTAs over the rows of one KV head (1 unless G * Q is too large for one CTA)
+  int num_splits;  // context splits per (request, KV head, row group)
+  float scale_log2;  // softmax scale * log2(e); k_scale and the e4m3 2^8 are applied on device
+  int q_vec16;       // query pointer and strides allow 16-byte loads
+};
+
+struct StoreKVParams {
+  const __half* key;  // [T, H_kv, D], last dim contiguous
+  const __half* value;
+  i64 key_stride_t, key_stride_h, value_stride_t, value_stride_h;
+  unsigned char* k_cache;  // [P, page_size, H_kv, D] e4m3 bytes, last dim contiguous
+  unsigned char* v_cache;
+  i64 kc_stride_page, kc_stride_tok, kc_stride_head;
+  i64 vc_stride_page, vc_stride_tok, vc_stride_head;
+  const i64* slot_mapping;  // [T]: page * page_size + offset; < 0 or >= P * page_size: skipped
+  i64 slot_stride;
+  const float* k_scale;  // as in PagedAttnParams
+  const float* v_scale;
+  int k_scale_stride, v_scale_stride;
+  int T, H_kv, D, page_size, num_pages;
+  int vec8;  // D % 8 == 0 and every row allows 16-byte fp16 loads / 8-byte e4m3 stores
+};
+
+}  // namespace sm70attn

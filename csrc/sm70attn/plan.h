@@ -1,0 +1,47 @@
+// Host-side planning (plain C++, torch-free): CTA shape and split-K factor of a call, and the
+// workspace it needs. Used by the binding before it allocates and launches.
+#pragma once
+
+#ifndef __CUDACC_RTC__
+#include <algorithm>
+
+#include "sm70attn/params.h"
+#include "sm70attn/traits.h"
+
+namespace sm70attn {
+
+struct AttnPlan {
+  int mb = 0;                // 16-row blocks per CTA
+  int row_groups = 0;        // CTAs over the G * Q rows of one KV head
+  int num_splits = 0;        // context splits
+  i64 workspace_floats = 0;  // part_acc then part_ml; 0 when num_splits == 1
+};
+
+// Depends on shapes and the SM count only, never on seq_lens values (one CUDA graph serves
+// every length <= capacity) nor on B (a request's result is bitwise the same alone or batched).
+// Splits: about two CTAs per SM for one request, each split at least 4 tiles and 16 tokens per
+// query row (the fp32 partials of a split stay well under its KV bytes), at most 256.
+inline AttnPlan plan_paged_attention(int B, int H_q, int H_kv, int Q, int D, i64 capacity,
+                                     int num_sms) {
+  AttnPlan pl;
+  const int rows = H_q / H_kv * Q, need = (rows + 15) / 16, max_mb = attn_max_row_blocks(D);
+  pl.row_groups = (need + max_mb - 1) / max_mb;
+  pl.mb = (need + pl.row_groups - 1) / pl.row_groups;
+  const i64 cta_rows = std::min(rows, 16 * pl.mb);
+  const i64 min_split = std::max<i64>(4 * attn_tile_tokens(D, pl.mb), 16 * cta_rows);
+  const i64 per_request = (i64)H_kv * pl.row_groups;
+  i64 splits = (2 * (i64)num_sms + per_request - 1) / per_request;
+  splits = std::min(splits, std::max<i64>(1, capacity / min_split));
+  pl.num_splits = (int)std::max<i64>(1, std::min<i64>(splits, 256));
+  if (pl.num_splits > 1) pl.workspace_floats = (i64)B * H_q * Q * pl.num_splits * (D + 2);
+  return pl;
+}
+
+// Where the plan's workspace goes in p (part_acc first, then part_ml).
+inline void set_workspace(PagedAttnParams& p, float* ws) {
+  p.part_acc = ws;
+  p.part_ml = ws ? reinterpret_cast<float2*>(ws + (i64)p.B * p.H_q * p.Q * p.num_splits * p.D) : nullptr;
+}
+
+}  // namespace sm70attn
+#endif  // __CUDACC_RTC__

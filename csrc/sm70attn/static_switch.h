@@ -1,0 +1,59 @@
+// The one dispatch level: runtime (head dim, row blocks, load width) -> template parameters,
+// through the explicit list of every kernel the launcher can pick. tools/sm70_check.py parses
+// the X(...) entries of the two lists below and compiles each for sm_70: edit only here.
+#pragma once
+
+#include "sm70attn/traits.h"
+
+// Attention kernels: X(head dim D, 16-row blocks per CTA MB, KV load bytes VEC).
+// MB runs to attn_max_row_blocks(D); VEC 8 serves caches that are only 8-byte aligned.
+#define SM70ATTN_ATTN_KERNELS(X) \
+  X(64, 1, 16) X(64, 1, 8) \
+  X(64, 2, 16) X(64, 2, 8) \
+  X(64, 3, 16) X(64, 3, 8) \
+  X(64, 4, 16) X(64, 4, 8) \
+  X(64, 5, 16) X(64, 5, 8) \
+  X(64, 6, 16) X(64, 6, 8) \
+  X(64, 7, 16) X(64, 7, 8) \
+  X(64, 8, 16) X(64, 8, 8) \
+  X(128, 1, 16) X(128, 1, 8) \
+  X(128, 2, 16) X(128, 2, 8) \
+  X(128, 3, 16) X(128, 3, 8) \
+  X(128, 4, 16) X(128, 4, 8) \
+  X(128, 5, 16) X(128, 5, 8) \
+  X(128, 6, 16) X(128, 6, 8) \
+  X(128, 7, 16) X(128, 7, 8) \
+  X(128, 8, 16) X(128, 8, 8) \
+  X(256, 1, 16) X(256, 1, 8) \
+  X(256, 2, 16) X(256, 2, 8) \
+  X(256, 3, 16) X(256, 3, 8) \
+  X(256, 4, 16) X(256, 4, 8)
+
+// Split-K combine kernels: X(head dim D).
+#define SM70ATTN_COMBINE_KERNELS(X) X(64) X(128) X(256)
+
+#ifndef __CUDACC_RTC__
+namespace sm70attn {
+
+// Calls f(AttnTraits<D, MB, VEC>{}) for the listed kernel; false when none is listed.
+template <class F>
+inline bool attn_switch(int d, int mb, int vec, F&& f) {
+#define SM70ATTN_CASE(D_, MB_, VEC_) \
+  if (d == D_ && mb == MB_ && vec == VEC_) return f(AttnTraits<D_, MB_, VEC_>{}), true;
+  SM70ATTN_ATTN_KERNELS(SM70ATTN_CASE)
+#undef SM70ATTN_CASE
+  return false;
+}
+
+// Calls f(CombineTraits<D>{}) for the listed kernel; false when none is listed.
+template <class F>
+inline bool combine_switch(int d, F&& f) {
+#define SM70ATTN_CASE(D_) \
+  if (d == D_) return f(CombineTraits<D_>{}), true;
+  SM70ATTN_COMBINE_KERNELS(SM70ATTN_CASE)
+#undef SM70ATTN_CASE
+  return false;
+}
+
+}  // namespace sm70attn
+#endif  // __CUDACC_RTC__

@@ -1,0 +1,87 @@
+// Tile constants of the attention kernel, one place. Everything below is derived from
+// (head dim D, row blocks MB of 16 query rows per CTA, KV load width VEC bytes).
+#pragma once
+
+namespace sm70attn {
+
+// Largest MB one CTA takes; more rows are split into row groups (KV read once per group).
+// D=256 stops at 4 (64 rows): Q + K + V + S tiles take 77 KB there, 128 rows would not fit
+// the 96 KB of shared memory.
+__host__ __device__ constexpr int attn_max_row_blocks(int d) { return d == 256 ? 4 : 8; }
+
+// KV tokens per tile. 32 (one softmax lane per token) keeps the fp16 K+V tiles at 9/17/34 KB
+// for D=64/128/256 so several CTAs share an SM; the register-staged e4m3 tile (4/8/16 KB per
+// CTA in flight) covers V100's ~7 KB per SM of bandwidth x latency. D=64 with few rows takes 64.
+__host__ __device__ constexpr int attn_tile_tokens(int d, int mb) { return d == 64 && mb <= 2 ? 64 : 32; }
+
+// Warps sharing one 16-row block: the CTA has MB * WN warps; warp w owns row block w / WN
+// (its softmax rows and its output accumulators) and 1/WN of the S and O column tiles.
+__host__ __device__ constexpr int attn_warps_per_row_block(int d, int mb) {
+  const int for_cta = mb == 1 ? 4 : mb <= 3 ? 2 : 1;  // at least 4 warps per CTA
+  const int for_regs = d / 64;                         // at most 4 O tiles (32 fp32 registers) per warp
+  return for_cta > for_regs ? for_cta : for_regs;
+}
+
+template <int D_, int MB_, int VEC_>
+struct AttnTraits {
+  static constexpr int D = D_;      // head dim
+  static constexpr int MB = MB_;    // 16-row blocks per CTA
+  static constexpr int VEC = VEC_;  // bytes per KV global load (16, or 8 for 8-byte aligned caches)
+  static constexpr int ROWS = 16 * MB;
+  static constexpr int N = attn_tile_tokens(D, MB);  // KV tokens per tile
+  static constexpr int DB = D / 16, NB = N / 16;      // 16-wide column tiles of O and S
+  static constexpr int WN = attn_warps_per_row_block(D, MB);
+  static constexpr int WARPS = MB * WN, THREADS = 32 * WARPS;
+  static constexpr int SPW = (NB + WN - 1) / WN;  // S tiles per warp (warps past NB idle in QK^T)
+  static constexpr int DPW = DB / WN;             // O tiles per warp, kept in registers
+
+  // KV gather: a tile is N rows of D bytes; CPT chunks of VEC bytes per row.
+  static constexpr int CPT = D / VEC, CHUNKS = N * CPT;
+  static constexpr int LPT = (CHUNKS + THREADS - 1) / THREADS;  // loads per thread per tensor
+
+  // Shared memory (leading dims in elements). +8 halves / +4 floats of padding make the row
+  // stride 16 bytes mod 128: conflict-free WMMA loads/stores. P (fp16) overwrites the first
+  // half of each S (fp32) row in place, so its leading dim is 2 * SLD halves; the row's O
+  // rescale factor, 16 copies, goes to floats [N/2, N/2 + 16) of the same row.
+  static constexpr int QLD = D + 8, KLD = D + 8, SLD = N + 4, PLD = 2 * SLD, ELD = D + 4;
+  static constexpr int Q_OFF = 0;
+  static constexpr int K_OFF = Q_OFF + ROWS * QLD * 2;
+  static constexpr int V_OFF = K_OFF + N * KLD * 2;
+  static constexpr int S_OFF = V_OFF + N * KLD * 2;
+  static constexpr int LOOP_BYTES = S_OFF + ROWS * SLD * 4;
+  static constexpr int EPI_BYTES = ROWS * ELD * 4;  // fp32 O staged for the epilogue (aliases all above)
+  static constexpr int ROW_OFF = LOOP_BYTES > EPI_BYTES ? LOOP_BYTES : EPI_BYTES;
+  static constexpr int TOK_OFF = ROW_OFF + 2 * ROWS * 4;  // after row max, row sum
+  static constexpr int SMEM_BYTES = TOK_OFF + N * 4;      // + per-token "page valid" flags
+  // __launch_bounds__ min blocks: as many CTAs per SM as shared memory allows, but never a
+  // register budget under 128 per thread (65536 / (128 * THREADS) CTAs).
+  static constexpr int SMEM_BLOCKS = 96 * 1024 / SMEM_BYTES;
+  static constexpr int REG_BLOCKS = 512 / THREADS > 0 ? 512 / THREADS : 1;
+  static constexpr int MIN_BLOCKS = SMEM_BLOCKS < REG_BLOCKS ? SMEM_BLOCKS : REG_BLOCKS;
+
+  static_assert(D == 64 || D == 128 || D == 256, "head dim");
+  static_assert(MB >= 1 && MB <= attn_max_row_blocks(D), "row blocks");
+  static_assert(VEC == 8 || VEC == 16, "load width");
+  static_assert(N % 32 == 0 && N <= 128, "softmax: N / 32 tokens per lane");
+  static_assert(16 % WN == 0 && DB % WN == 0, "row and column split over WN warps");
+  static_assert(DPW <= 4, "fp32 O accumulators per thread (registers)");
+  static_assert(WARPS <= 16, "threads per CTA");
+  static_assert(S_OFF % 32 == 0 && V_OFF % 32 == 0 && N * 2 % 32 == 0, "WMMA 256-bit alignment");
+  static_assert(SMEM_BYTES <= 96 * 1024, "SM70 shared memory per block");
+};
+
+// Combine (split-K reduction): one CTA per output row, its warps share the splits,
+// D / 32 floats per lane.
+template <int D_>
+struct CombineTraits {
+  static constexpr int D = D_, WARPS = 8, THREADS = 32 * WARPS, VPL = D / 32;
+  static constexpr int SMEM_BYTES = (WARPS * D + WARPS) * 4;  // per-warp sums
+  static_assert(VPL == 2 || VPL == 4 || VPL == 8, "head dim");
+};
+
+// store_kv: one thread quantizes 8 consecutive elements (or single elements on the slow path).
+struct StoreKVTraits {
+  static constexpr int THREADS = 256;
+};
+
+}  // namespace sm70attn
