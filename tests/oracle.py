@@ -28,9 +28,10 @@ _POS = _TABLE[:0x7F]  # codes 0x00..0x7E: the non-negative finite values, increa
 
 
 def decode_e4m3(t: torch.Tensor) -> torch.Tensor:
-    """float64 tensor of the values of a float8_e4m3fn tensor (by table, not by torch)."""
-    codes = t.contiguous().view(torch.uint8).cpu().numpy()
-    return torch.from_numpy(_TABLE[codes])
+    """float64 values of a float8_e4m3fn tensor, by table lookup (not torch's conversion),
+    on the tensor's device."""
+    table = torch.from_numpy(_TABLE).to(t.device)
+    return table[t.contiguous().view(torch.uint8).long()]
 
 
 def encode_e4m3(x32: np.ndarray) -> np.ndarray:
@@ -48,33 +49,43 @@ def encode_e4m3(x32: np.ndarray) -> np.ndarray:
     return (code.astype(np.uint8) | sign).astype(np.uint8)
 
 
-def attention_fp64(query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale):
-    """FP64 paged attention with explicit per-position gathers; returns float64 [B,H_q,Q,D]."""
+def attention_fp64(
+    query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, *, clamp=False
+):
+    """FP64 paged attention, one request and KV head at a time with a full (not online)
+    softmax, on the inputs' device; returns float64 [B, H_q, Q, D] on the CPU.
+
+    clamp=True gives the CUDA path's answer for invalid inputs: lengths clamped to
+    [0, capacity], positions on pages outside [0, P) contribute nothing."""
     B, H_q, Q, D = query.shape
-    _, page_size, H_kv, _ = key_cache.shape
+    P, page_size, H_kv, _ = key_cache.shape
+    capacity = block_table.shape[1] * page_size
     G = H_q // H_kv
-    ks = k_scale.double().cpu().reshape(-1).expand(H_kv)
-    vs = v_scale.double().cpu().reshape(-1).expand(H_kv)
-    bt = block_table.cpu().tolist()
-    out = torch.zeros(B, H_q, Q, D, dtype=torch.float64)
+    dev = query.device
+    ks = k_scale.double().reshape(-1).expand(H_kv)
+    vs = v_scale.double().reshape(-1).expand(H_kv)
+    out = torch.zeros(B, H_q, Q, D, dtype=torch.float64, device=dev)
     for b, L in enumerate(seq_lens.cpu().tolist()):
+        if clamp:
+            L = min(max(L, 0), capacity)
         if L <= 0:
             continue
-        pages = [bt[b][t // page_size] for t in range(L)]
-        offs = [t % page_size for t in range(L)]
-        k = decode_e4m3(key_cache[pages, offs]) * ks[None, :, None]  # [L, H_kv, D]
-        v = decode_e4m3(value_cache[pages, offs]) * vs[None, :, None]
-        for h in range(H_q):
-            kv = h // G
-            q = query[b, h].double().cpu()  # [Q, D]
-            s = (q @ k[:, kv].T) * scale  # [Q, L]
-            for r in range(Q):
-                n = L - Q + r + 1  # positions 0..n-1 visible
-                if n <= 0:
-                    continue
-                p = torch.softmax(s[r, :n], dim=0)
-                out[b, h, r] = p @ v[:n, kv]
-    return out
+        t = torch.arange(L, device=dev)
+        pages = block_table[b].long()[t // page_size]
+        good = (pages >= 0) & (pages < P)
+        pages = pages.clamp(0, P - 1)
+        k = decode_e4m3(key_cache[pages, t % page_size]) * ks[None, :, None]  # [L, H_kv, D]
+        v = decode_e4m3(value_cache[pages, t % page_size]) * vs[None, :, None]
+        visible = t[None, :] <= (L - Q + torch.arange(Q, device=dev))[:, None]  # [Q, L]
+        if clamp:
+            visible &= good[None, :]
+        for kv in range(H_kv):
+            q = query[b, kv * G : (kv + 1) * G].double()  # [G, Q, D]
+            s = (q @ k[:, kv].T) * scale  # [G, Q, L]
+            s = s.masked_fill(~visible, float("-inf"))
+            p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see nothing: 0
+            out[b, kv * G : (kv + 1) * G] = p @ v[:, kv]
+    return out.cpu()
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

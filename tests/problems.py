@@ -36,18 +36,22 @@ def make_problem(
         bt[b, :n] = perm[i : i + n].int()
         i += n
 
+    dev = torch.device(device)
+    dev_gen = torch.Generator(device=dev).manual_seed(seed)
+
     def fp8(shape):
         # N(0, 8) codes: dequantized with a scale near 1/8, K and V are about N(0, 1).
-        return (torch.randn(shape, generator=gen) * 8).to(torch.float8_e4m3fn)
+        # Drawn on the target device: long-context caches are hundreds of MB.
+        x = torch.randn(shape, generator=dev_gen, device=dev) * 8
+        return x.to(torch.float8_e4m3fn)
 
-    dev = torch.device(device)
     if layout == "separate":
-        kc, vc = fp8((P, page_size, H_kv, D)).to(dev), fp8((P, page_size, H_kv, D)).to(dev)
+        kc, vc = fp8((P, page_size, H_kv, D)), fp8((P, page_size, H_kv, D))
     elif layout == "interleaved":
-        kv = fp8((P, page_size, H_kv, 2, D)).to(dev)
+        kv = fp8((P, page_size, H_kv, 2, D))
         kc, vc = kv[:, :, :, 0], kv[:, :, :, 1]
     elif layout == "kv_first":
-        kv = fp8((P, 2, page_size, H_kv, D)).to(dev)
+        kv = fp8((P, 2, page_size, H_kv, D))
         kc, vc = kv[:, 0], kv[:, 1]
     else:
         raise ValueError(layout)

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from . import ops  # noqa: F401  (registers the sm70attn:: operators)
+from . import ops, routes  # ops registers the sm70attn:: operators
 from .manifest import MANIFEST, contract
 from .routes import CUDA, REFERENCE, Admission, admit
 
@@ -62,11 +62,22 @@ def paged_attention(
     """
     if scale is None:
         scale = query.shape[-1] ** -0.5
-    k_scale = _as_scale(k_scale, query.device)
-    v_scale = _as_scale(v_scale, query.device)
-    return torch.ops.sm70attn.paged_attention.default(
-        query, key_cache, value_cache, block_table, seq_lens, float(scale), k_scale, v_scale
+    args = (
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        float(scale),
+        _as_scale(k_scale, query.device),
+        _as_scale(v_scale, query.device),
     )
+    if query.device.type == "cuda":
+        route = admit(query, key_cache, block_table)
+        if route.route != CUDA:
+            routes.warn_fallback(route.reason)
+            return ops._paged_attention_ref(*args)
+    return torch.ops.sm70attn.paged_attention.default(*args)
 
 
 def store_kv(

@@ -62,7 +62,9 @@ def sm70attn_backend(gm: fx.GraphModule, example_inputs, mode=None, options=None
     options = dict(options or {})
     inner = options.pop("inner", None)
     if inner is not None and inner not in INNERS:
-        raise ValueError(f"sm70attn backend: options['inner'] must be one of {INNERS}, got {inner!r}")
+        raise ValueError(
+            f"sm70attn backend: options['inner'] must be one of {INNERS}, got {inner!r}"
+        )
     n_attn, n_store = rewrite(gm.graph)
     gm.recompile()
     device = _device(example_inputs)

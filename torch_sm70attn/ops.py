@@ -92,8 +92,47 @@ def _verifier_mask_any(seq_lens, q_rows, kv_len):
 # Plain tensor ops: the same code is right on every device.
 lib.impl("verifier_mask", _verifier_mask_any, "CompositeExplicitAutograd")
 
-# Until the compiled library registers its CUDA kernels (see _jit.py), a CUDA call runs
-# the reference, which is right but slow and not capturable.
-_cuda_fallback = torch.library.Library("sm70attn", "IMPL")  # noqa: TOR901
-_cuda_fallback.impl("paged_attention", _paged_attention_ref, "CUDA")
-_cuda_fallback.impl("store_kv", _store_kv_ref, "CUDA")
+# CUDA: the compiled library (csrc/binding.cu) registers the kernels of both ops for the
+# CUDA key when it is loaded. It is JIT-built on first use, so until then the CUDA key holds
+# a loader: the first CUDA call drops the loader's registration, builds and loads the
+# library, and dispatches again, straight to C++. With TORCH_SM70ATTN_DISABLE=1 at that
+# first call nothing is built and CUDA calls run the reference (right, slow, not capturable).
+_REFERENCE = {"paged_attention": _paged_attention_ref, "store_kv": _store_kv_ref}
+_loader: torch.library.Library | None = None
+
+
+def _first_cuda_call(name):
+    def impl(*args):
+        if routes.disabled():
+            return _REFERENCE[name](*args)
+        load_cuda_kernels()
+        return getattr(torch.ops.sm70attn, name).default(*args)
+
+    return impl
+
+
+def _install_loader() -> None:
+    global _loader
+    _loader = torch.library.Library("sm70attn", "IMPL")  # noqa: TOR901
+    for name in _REFERENCE:
+        _loader.impl(name, _first_cuda_call(name), "CUDA")
+
+
+def load_cuda_kernels():
+    """Build (once) and load the CUDA library; returns it. Raises if it cannot be built."""
+    global _loader
+    from . import _jit
+
+    if _loader is not None:
+        _loader._destroy()
+        _loader = None
+        try:
+            mod = _jit.load()
+        except Exception:
+            _install_loader()
+            raise
+        mod.set_validate(routes.validate_mode())
+    return _jit.load()
+
+
+_install_loader()

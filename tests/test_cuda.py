@@ -1,0 +1,360 @@
+"""The CUDA kernels against the FP64 oracle, and their contracts: determinism, batch
+invariance, CUDA-graph replay, streams, safety on invalid inputs, store_kv bit-exactness.
+
+Error rule (flash-attn's): the kernel's error against the FP64 oracle is at most twice
+that of an FP32 PyTorch implementation (reference.py) over the same dequantized values,
+plus 1e-5 for round-off when both are tiny. Outputs are poisoned (NaN) before every run
+that writes into an existing buffer; NaN never passes (rel_err returns inf).
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from oracle import attention_fp64, encode_e4m3, rel_err
+from problems import make_problem, op_args
+
+import torch_sm70attn as sa
+from torch_sm70attn import ops, reference
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+
+
+def op(p):
+    return torch.ops.sm70attn.paged_attention(*op_args(p))
+
+
+def check_vs_oracle(record, case, p, *, oracle_clamp=False):
+    torch.cuda.synchronize()
+    out = op(p)
+    ref64 = attention_fp64(*op_args(p), clamp=oracle_clamp)
+    fp32 = reference.paged_attention(*op_args(p)) if not oracle_clamp else None
+    err = rel_err(out, ref64)
+    bound = 2 * rel_err(fp32, ref64) + 1e-5 if fp32 is not None else 2e-3
+    record("cuda", err, case)
+    assert err <= bound, f"{case}: error {err:.3e} > bound {bound:.3e}"
+    Q = p["query"].shape[2]
+    for b, L in enumerate(p["seq_lens"].tolist()):
+        for r in range(Q):
+            if L - Q + r < 0:
+                assert (out[b, :, r] == 0).all(), f"{case}: row {r} of request {b} not zero"
+    return out
+
+
+# --- the CPU grid, on the GPU -------------------------------------------------------------
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("G", [1, 2, 4, 6, 8])
+def test_head_dims_and_groups(record, D, G):
+    for Q in (1, 8):
+        p = make_problem(D=D, G=G, Q=Q, H_kv=2, page_size=16, device=DEV, seed=D + G + Q)
+        check_vs_oracle(record, f"D={D} G={G} Q={Q}", p)
+
+
+@pytest.mark.parametrize("Q", [1, 2, 7, 8, 16])
+@pytest.mark.parametrize("page_size", [1, 16, 1000, 1024, 1536, 1648, 3296])
+def test_rows_and_pages(record, Q, page_size):
+    lens = [min(2 * page_size + 3, 7000), max(Q, page_size), Q + 5]
+    p = make_problem(B=3, H_kv=1, G=6, Q=Q, D=256, page_size=page_size, lens=lens, device=DEV)
+    check_vs_oracle(record, f"Q={Q} page={page_size}", p)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "kv_first"])
+@pytest.mark.parametrize("D", [64, 256])
+def test_kv_views_of_one_buffer(record, layout, D):
+    # interleaved rows are only 8-byte aligned when D = 64 ... 2D apart: both load widths.
+    p = make_problem(layout=layout, G=4, Q=8, D=D, page_size=16, device=DEV)
+    check_vs_oracle(record, f"{layout} D={D}", p)
+
+
+def test_eight_byte_aligned_rows(record):
+    # Rows 72 bytes apart: the kernel must fall back to 8-byte loads.
+    kv = torch.randn(40, 16, 2, 72, device=DEV).mul(8).to(torch.float8_e4m3fn)
+    p = make_problem(B=2, H_kv=2, G=3, Q=4, D=64, page_size=16, lens=[100, 37], device=DEV)
+    P = p["key_cache"].shape[0]
+    p["key_cache"], p["value_cache"] = kv[:P, :, :, :64], kv[:P, :, :, 8:]
+    assert p["key_cache"].stride(2) == 72
+    check_vs_oracle(record, "8-byte rows", p)
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_scales_and_transposed_query(record, per_head):
+    p = make_problem(
+        per_head_scale=per_head, transposed_query=True, H_kv=4, G=6, Q=8, D=128, device=DEV
+    )
+    assert not p["query"].is_contiguous()
+    check_vs_oracle(record, f"per_head={per_head} transposed", p)
+
+
+def test_zero_length_and_short_rows(record):
+    p = make_problem(B=4, Q=8, G=6, D=256, page_size=16, lens=[0, 3, 40, 0], device=DEV)
+    out = check_vs_oracle(record, "zero/short rows", p)
+    assert (out[0] == 0).all() and (out[3] == 0).all()
+
+
+# --- long contexts and batches --------------------------------------------------------
+@pytest.mark.parametrize("ctx", [3297, 8192, 32768, 131072, 262144])
+def test_long_contexts(record, ctx):
+    for Q in (1, 8):
+        lens = [ctx, max(Q, ctx // 3)]
+        p = make_problem(
+            B=2, H_kv=1, G=6, Q=Q, D=256, page_size=1648, lens=lens, device=DEV, seed=ctx
+        )
+        check_vs_oracle(record, f"ctx={ctx} Q={Q}", p)
+
+
+@pytest.mark.parametrize("B", [1, 2, 4, 8, 16])
+def test_batches(record, B):
+    g = torch.Generator().manual_seed(B)
+    lens = torch.randint(1, 40000, (B,), generator=g).tolist()
+    p = make_problem(B=B, H_kv=2, G=6, Q=8, D=256, page_size=3296, lens=lens, device=DEV, seed=B)
+    check_vs_oracle(record, f"B={B}", p)
+
+
+def test_batched_equals_alone_and_run_to_run():
+    lens = [5000, 0, 17, 33000, 8]
+    p = make_problem(B=5, H_kv=2, G=6, Q=8, D=256, page_size=1648, lens=lens, device=DEV)
+    out = op(p)
+    assert torch.equal(out, op(p)), "not bitwise equal run to run"
+    for b in range(5):
+        alone = dict(p)
+        for k in ("query", "block_table", "seq_lens"):
+            alone[k] = p[k][b : b + 1]
+        assert torch.equal(op(alone)[0], out[b]), f"request {b} differs when batched"
+
+
+# --- CUDA graphs and streams ----------------------------------------------------------
+def test_cuda_graph_replay_with_new_inputs(record):
+    B, Q, ps = 4, 8, 1648
+    cap_pages = 20
+    p = make_problem(
+        B=B,
+        H_kv=1,
+        G=6,
+        Q=Q,
+        D=256,
+        page_size=ps,
+        lens=[ps * cap_pages] * B,
+        extra_pages=0,
+        device=DEV,
+    )
+    static = dict(p)
+    static["query"] = p["query"].clone()
+    static["seq_lens"] = p["seq_lens"].clone()
+    static["block_table"] = p["block_table"].clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            op(static)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = op(static)
+    gen = torch.Generator().manual_seed(0)
+    capacity = cap_pages * ps
+    cases = {
+        "new lengths": torch.randint(Q, capacity + 1, (B,), generator=gen).tolist(),
+        "full": [capacity] * B,
+        "padded requests": [capacity, 0, 5000, 0],
+        "single zero rows": [3, 7, 1, 12],
+        "all zero": [0, 0, 0, 0],
+        "short": [9, 100, 1649, 3297],
+    }
+    for name, lens in cases.items():
+        static["query"].copy_(torch.randn_like(static["query"]))
+        static["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        static["block_table"].copy_(static["block_table"][torch.randperm(B, generator=gen)])
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        replayed = out.clone()
+        assert torch.equal(replayed, op(static)), f"{name}: replay != eager"
+        err = rel_err(replayed, attention_fp64(*op_args(static)))
+        record("cuda graph", err, name)
+        assert err < 2e-3, f"{name}: error {err:.3e}"
+
+
+def test_two_streams_at_once():
+    pa = make_problem(
+        B=2, H_kv=1, G=6, Q=8, D=256, page_size=1648, lens=[60000, 30000], device=DEV, seed=1
+    )
+    pb = make_problem(
+        B=3, H_kv=2, G=4, Q=1, D=128, page_size=16, lens=[9000, 1, 0], device=DEV, seed=2
+    )
+    want_a, want_b = op(pa), op(pb)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    outs = []
+    for _ in range(4):
+        with torch.cuda.stream(s1):
+            oa = op(pa)
+        with torch.cuda.stream(s2):
+            ob = op(pb)
+        outs.append((oa, ob))
+    torch.cuda.synchronize()
+    for oa, ob in outs:
+        assert torch.equal(oa, want_a) and torch.equal(ob, want_b)
+
+
+# --- invalid inputs: never outside the caches ----------------------------------------
+def test_lengths_beyond_capacity_are_clamped(record):
+    p = make_problem(B=2, G=6, Q=8, D=256, page_size=16, lens=[40, 50], extra_pages=0, device=DEV)
+    capacity = p["block_table"].shape[1] * 16
+    p["seq_lens"] = torch.tensor([capacity + 1000, -5], dtype=torch.int32, device=DEV)
+    check_vs_oracle(record, "len > capacity", p, oracle_clamp=True)
+
+
+def test_bad_page_ids_contribute_nothing(record):
+    p = make_problem(B=2, G=6, Q=8, D=256, page_size=16, lens=[60, 50], device=DEV)
+    bt = p["block_table"].clone()
+    bt[0, 1] = -7
+    bt[1, 0] = 10**9
+    p["block_table"] = bt
+    check_vs_oracle(record, "bad page ids", p, oracle_clamp=True)
+
+
+def test_validate_mode_raises_on_bad_values():
+    mod = ops.load_cuda_kernels()
+    p = make_problem(B=2, G=2, Q=1, D=64, page_size=16, lens=[20, 30], device=DEV)
+    bt = p["block_table"].clone()
+    bt[0, 0] = 10**6
+    mod.set_validate(True)
+    try:
+        with pytest.raises(ValueError, match="block_table"):
+            op(dict(p, block_table=bt))
+        with pytest.raises(ValueError, match="seq_lens"):
+            op(dict(p, seq_lens=torch.tensor([10**7, 1], dtype=torch.int32, device=DEV)))
+    finally:
+        mod.set_validate(False)
+    op(dict(p, block_table=bt))  # off: no check, no fault
+
+
+def test_cuda_errors_name_the_argument():
+    p = make_problem(B=2, G=2, Q=1, D=64, page_size=16, device=DEV)
+    with pytest.raises(TypeError, match="query"):
+        op(dict(p, query=p["query"].float()))
+    with pytest.raises(ValueError, match="seq_lens"):
+        op(dict(p, seq_lens=p["seq_lens"][:1]))
+    with pytest.raises(ValueError, match="head dim"):
+        q = torch.zeros(2, 4, 1, 96, dtype=torch.float16, device=DEV)
+        c = torch.zeros(4, 16, 2, 96, dtype=torch.float8_e4m3fn, device=DEV)
+        op(dict(p, query=q, key_cache=c, value_cache=c))
+
+
+def test_public_wrapper_falls_back_with_one_warning(record):
+    q = torch.randn(1, 4, 2, 96, device=DEV).half()
+    c = torch.randn(4, 16, 2, 96, device=DEV).mul(8).to(torch.float8_e4m3fn)
+    bt = torch.tensor([[2, 0]], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([20], dtype=torch.int32, device=DEV)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = sa.paged_attention(q, c, c, bt, sl)
+        sa.paged_attention(q, c, c, bt, sl)
+    assert sum("head dim 96" in str(x.message) for x in w) == 1
+    ref = attention_fp64(q, c, c, bt, sl, 96**-0.5, torch.tensor(1.0), torch.tensor(1.0))
+    assert rel_err(out, ref) < 1e-3
+
+
+# --- store_kv ---------------------------------------------------------------------------
+def test_store_kv_bit_equal_to_cpu_reference():
+    from test_store_kv import special_values
+
+    gen = torch.Generator().manual_seed(3)
+    H, D, ps = 4, 256, 16
+    vals = special_values(4000, gen)
+    T = vals.numel() // (H * D) + 50
+    x = torch.cat([vals, torch.randn(T * H * D - vals.numel(), generator=gen).half() * 30])
+    k = x[torch.randperm(x.numel(), generator=gen)].view(T, H, D)
+    v = x[torch.randperm(x.numel(), generator=gen)].view(T, H, D)
+    P = T // ps + 4
+    kv = torch.zeros(P, ps, H, 2, D, dtype=torch.float8_e4m3fn)
+    slots = torch.randperm(P * ps, generator=gen)[:T]
+    slots[::5] = -1
+    ks, vs = torch.tensor([1.0, 0.37, 2.5, 0.01]), torch.tensor([0.5])
+    kv_cpu = kv.clone()
+    sa.store_kv(k, v, kv_cpu[:, :, :, 0], kv_cpu[:, :, :, 1], slots, k_scale=ks, v_scale=vs)
+    kv_gpu = kv.to(DEV)
+    kv_gpu.view(torch.uint8).fill_(0x55)  # poison: every byte must match the CPU's
+    kv_cpu_poisoned = kv.clone()
+    kv_cpu_poisoned.view(torch.uint8).fill_(0x55)
+    sa.store_kv(
+        k,
+        v,
+        kv_cpu_poisoned[:, :, :, 0],
+        kv_cpu_poisoned[:, :, :, 1],
+        slots,
+        k_scale=ks,
+        v_scale=vs,
+    )
+    sa.store_kv(
+        k.to(DEV),
+        v.to(DEV),
+        kv_gpu[:, :, :, 0],
+        kv_gpu[:, :, :, 1],
+        slots.to(DEV),
+        k_scale=ks.to(DEV),
+        v_scale=vs.to(DEV),
+    )
+    got = kv_gpu.cpu().view(torch.uint8)
+    assert torch.equal(got, kv_cpu_poisoned.view(torch.uint8))
+    # and against the independent encoder
+    keep = slots >= 0
+    want = encode_e4m3(k[keep].float().numpy() / ks.numpy()[None, :, None])
+    page, off = slots[keep] // ps, slots[keep] % ps
+    np.testing.assert_array_equal(got[page, off, :, 0].numpy(), want)
+
+
+def test_store_kv_skips_out_of_range_slots_on_gpu():
+    k = torch.randn(3, 1, 64, device=DEV).half()
+    kc = torch.zeros(2, 16, 1, 64, dtype=torch.float8_e4m3fn, device=DEV)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([-1, 32, 10**9], device=DEV)
+    sa.store_kv(k, k, kc, vc, slots)
+    torch.cuda.synchronize()
+    assert (kc.view(torch.uint8) == 0).all()
+
+
+def test_store_then_attend_round_trip(record):
+    B, H, G, D, ps, L = 2, 2, 6, 256, 1648, 5000
+    kc = torch.zeros(8, ps, H, D, dtype=torch.float8_e4m3fn, device=DEV)
+    vc = torch.zeros_like(kc)
+    bt = torch.tensor([[5, 1, 7, 3], [0, 2, 4, 6]], dtype=torch.int32, device=DEV)
+    t = torch.arange(L, device=DEV)
+    for b in range(B):
+        slots = bt[b, t // ps].long() * ps + t % ps
+        kv = torch.randn(2, L, H, D, device=DEV).half()
+        sa.store_kv(kv[0], kv[1], kc, vc, slots, k_scale=0.02, v_scale=0.03)
+    q = torch.randn(B, H * G, 8, D, device=DEV).half()
+    sl = torch.tensor([L, L - 1000], dtype=torch.int32, device=DEV)
+    out = sa.paged_attention(q, kc, vc, bt, sl, k_scale=0.02, v_scale=0.03)
+    ks, vs = torch.tensor(0.02, device=DEV), torch.tensor(0.03, device=DEV)
+    err = rel_err(out, attention_fp64(q, kc, vc, bt, sl, D**-0.5, ks, vs))
+    record("cuda", err, "store+attend")
+    assert err < 2e-3
+
+
+def test_demo_uses_the_cuda_route():
+    from test_ops import _cli
+
+    r = _cli("demo", "--reps", "3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("route=cuda") == 2, r.stdout
+
+
+def test_sanitizer_smoke():
+    """Small problems of every kind; tools/gpu_suite.sh runs this under compute-sanitizer."""
+    for kw in (
+        dict(Q=1, G=6, D=256, page_size=16, lens=[0, 33, 100]),
+        dict(Q=8, G=6, D=256, page_size=1648, lens=[3000, 5]),
+        dict(Q=16, G=8, D=128, page_size=1, lens=[40, 16]),
+        dict(Q=2, G=1, D=64, page_size=17, layout="interleaved"),
+    ):
+        p = make_problem(device=DEV, **kw)
+        p["block_table"][0, -1] = 10**6  # junk beyond the used pages
+        op(p)
+    k = torch.randn(5, 2, 64, device=DEV).half()
+    kc = torch.zeros(2, 16, 2, 64, dtype=torch.float8_e4m3fn, device=DEV)
+    sa.store_kv(k, k, kc, kc.clone(), torch.tensor([0, -1, 31, 32, 5], device=DEV))
+    torch.cuda.synchronize()

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One GPU session in one command: build the CUDA library, run the CUDA tests (and the CPU
+# suite), a compute-sanitizer pass over small problems, and the benchmark smoke.
+#   tools/gpu_suite.sh LOGDIR [pytest -k expression]
+# Logs: LOGDIR/{info,build,tests,sanitizer,bench}.log, LOGDIR/bench.json, LOGDIR/junit.xml.
+# Wheels for packages the GPU machine lacks may sit in .whl/ (installed to /tmp/site).
+set -uo pipefail
+out=${1:?usage: tools/gpu_suite.sh LOGDIR [pytest -k expression]}
+sel=${2:-}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \
+  || { echo "editable install failed, using PYTHONPATH"; export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}; }
+status=0
+step() {  # step NAME CMD...: run, log, remember failure, print one line
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  [ $rc -ne 0 ] && status=1
+  printf '%-10s rc=%d %4ds  %s\n' "$name" $rc $((SECONDS - t0)) "$(tail -n 1 "$out/$name.log")"
+}
+step info python3 -m torch_sm70attn info
+step build python3 -m torch_sm70attn build
+# The CPU tests run in CI; here the CUDA ones (and the demo through them).
+step tests python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" ${sel:+-k "$sel"} \
+  tests/test_cuda.py tests/test_compile_cuda.py
+step sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sanitizer_smoke
+if [ -f tools/bench.py ]; then
+  step bench python3 tools/bench.py --smoke --json "$out/bench.json"
+fi
+echo "--- tests (tail)"; tail -n 25 "$out/tests.log"
+echo "--- sanitizer (tail)"; tail -n 5 "$out/sanitizer.log"
+[ -f "$out/bench.log" ] && { echo "--- bench (tail)"; tail -n 30 "$out/bench.log"; }
+exit $status
