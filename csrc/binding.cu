@@ -17,9 +17,13 @@
 
 #include "sm70attn/launch.h"
 
+// The JIT loader passes the digest as a bare token (-DSM70ATTN_DIGEST=abc123): quotes do not
+// survive the build's command line.
 #ifndef SM70ATTN_DIGEST
-#define SM70ATTN_DIGEST "unset"
+#define SM70ATTN_DIGEST unset
 #endif
+#define SM70ATTN_STR2(x) #x
+#define SM70ATTN_STR(x) SM70ATTN_STR2(x)
 
 namespace {
 
@@ -252,7 +256,7 @@ TORCH_LIBRARY_IMPL(sm70attn, CUDA, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("digest", [] { return std::string(SM70ATTN_DIGEST); }, "source digest this library was built from");
+  m.def("digest", [] { return std::string(SM70ATTN_STR(SM70ATTN_DIGEST)); }, "source digest this library was built from");
   m.def("set_validate", [](bool on) { g_validate.store(on); },
         "host-side checks of seq_lens and block_table in paged_attention (syncs; skipped while capturing)");
 }

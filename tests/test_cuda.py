@@ -346,10 +346,10 @@ def test_demo_uses_the_cuda_route():
 def test_sanitizer_smoke():
     """Small problems of every kind; tools/gpu_suite.sh runs this under compute-sanitizer."""
     for kw in (
-        dict(Q=1, G=6, D=256, page_size=16, lens=[0, 33, 100]),
-        dict(Q=8, G=6, D=256, page_size=1648, lens=[3000, 5]),
-        dict(Q=16, G=8, D=128, page_size=1, lens=[40, 16]),
-        dict(Q=2, G=1, D=64, page_size=17, layout="interleaved"),
+        dict(B=3, Q=1, G=6, D=256, page_size=16, lens=[0, 33, 100]),
+        dict(B=2, Q=8, G=6, D=256, page_size=1648, lens=[3000, 5]),
+        dict(B=2, Q=16, G=8, D=128, page_size=1, lens=[40, 16]),
+        dict(B=2, Q=2, G=1, D=64, page_size=17, layout="interleaved"),
     ):
         p = make_problem(device=DEV, **kw)
         p["block_table"][0, -1] = 10**6  # junk beyond the used pages

@@ -96,7 +96,7 @@ def load():
         name=name,
         sources=[str(root / "binding.cu")],
         extra_include_paths=[str(root)],
-        extra_cuda_cflags=CUDA_FLAGS + [f'-DSM70ATTN_DIGEST="{digest}"'],
+        extra_cuda_cflags=CUDA_FLAGS + [f"-DSM70ATTN_DIGEST={digest}"],
         build_directory=str(out),
         verbose=False,
     )
