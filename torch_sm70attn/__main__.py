@@ -14,7 +14,7 @@ import torch
 
 import torch_sm70attn as sa
 
-from . import _jit, routes
+from . import _jit, ops, routes
 from .manifest import contract
 
 
@@ -79,7 +79,7 @@ def build(args) -> int:
         print("no CUDA device and no TORCH_CUDA_ARCH_LIST: nothing to build for", file=sys.stderr)
         return 1
     t0 = time.perf_counter()
-    mod = _jit.load()
+    mod = ops.load_cuda_kernels()
     print(f"built {_jit.module_name(mod.digest())} in {time.perf_counter() - t0:.1f} s")
     print(f"at {_jit.build_dir(mod.digest())}")
     return 0
@@ -129,8 +129,10 @@ def sdpa_over_gather(query, key_cache, value_cache, block_table, seq_lens, k_sca
     B, H_q, Q, D = query.shape
     _, page_size, H_kv, _ = key_cache.shape
     dt = query.dtype if query.is_cuda else torch.float32
-    k = key_cache[block_table.long()].flatten(1, 2).to(dt) * k_scale.view(1, 1, H_kv, 1)
-    v = value_cache[block_table.long()].flatten(1, 2).to(dt) * v_scale.view(1, 1, H_kv, 1)
+    ks = k_scale.reshape(-1).expand(H_kv).view(1, 1, H_kv, 1).to(dt)
+    vs = v_scale.reshape(-1).expand(H_kv).view(1, 1, H_kv, 1).to(dt)
+    k = key_cache[block_table.long()].flatten(1, 2).to(dt) * ks
+    v = value_cache[block_table.long()].flatten(1, 2).to(dt) * vs
     k = k.transpose(1, 2).repeat_interleave(H_q // H_kv, dim=1)
     v = v.transpose(1, 2).repeat_interleave(H_q // H_kv, dim=1)
     mask = sa.verifier_mask(seq_lens, Q, k.shape[2])
