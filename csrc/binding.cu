@@ -14,6 +14,7 @@
 #include <climits>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "sm70attn/launch.h"
 
@@ -31,6 +32,28 @@ using sm70attn::i64;
 
 std::atomic<bool> g_validate{false};
 
+// Error messages are built with std::to_string, not iostreams: a toolchain whose libstdc++
+// differs from torch's (seen on one GPU machine) crashed formatting integers through
+// c10::str, turning a clear ValueError into a segfault.
+void put(std::string& s, const char* x) { s += x; }
+template <class T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+void put(std::string& s, T x) {
+  s += std::to_string(x);
+}
+void put(std::string& s, c10::IntArrayRef a) {
+  s += "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  s += "]";
+}
+void put(std::string& s, at::ScalarType t) { s += c10::toString(t); }
+void put(std::string& s, const c10::Device& d) { s += d.str(); }
+template <class... A>
+std::string msg(const A&... a) {
+  std::string s;
+  (put(s, a), ...);
+  return s;
+}
+
 // A stride only matters along a dimension of size > 1.
 bool strides_aligned(const at::Tensor& t, int upto, i64 align) {
   for (int d = 0; d < upto; ++d)
@@ -43,22 +66,22 @@ bool ptr_aligned(const at::Tensor& t, i64 align) {
 }
 
 void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, name, " must be contiguous in its last dim, got strides ",
-                    t.strides());
+  TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, msg(name, " must be contiguous in its last dim, got strides ",
+                    t.strides()));
 }
 
 void check_device(const at::Tensor& t, const at::Tensor& ref, const char* name) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == ref.device(), name, " must be on ", ref.device(), ", got ",
-                    t.device());
+  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == ref.device(), msg(name, " must be on ", ref.device(), ", got ",
+                    t.device()));
 }
 
 // k_scale / v_scale: float32 with one element or one per KV head; returns the element stride.
 int scale_stride(const at::Tensor& s, i64 h_kv, const at::Tensor& ref, const char* name) {
-  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, name, " must be float32, got ", s.scalar_type());
-  TORCH_CHECK_VALUE(s.numel() == 1 || (s.dim() == 1 && s.size(0) == h_kv), name,
-                    " must have 1 element or H_kv = ", h_kv, ", got shape ", s.sizes());
+  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, msg(name, " must be float32, got ", s.scalar_type()));
+  TORCH_CHECK_VALUE(s.numel() == 1 || (s.dim() == 1 && s.size(0) == h_kv), msg(name,
+                    " must have 1 element or H_kv = ", h_kv, ", got shape ", s.sizes()));
   check_device(s, ref, name);
-  TORCH_CHECK_VALUE(s.numel() == 1 || s.stride(0) <= INT_MAX, name, " stride too large");
+  TORCH_CHECK_VALUE(s.numel() == 1 || s.stride(0) <= INT_MAX, msg(name, " stride too large"));
   return s.numel() == 1 ? 0 : (int)s.stride(0);
 }
 
@@ -70,47 +93,47 @@ void validate_lengths_and_pages(const at::Tensor& seq_lens, const at::Tensor& bl
   const auto t = bt.accessor<int, 2>();
   for (i64 b = 0; b < l.size(0); ++b) {
     const i64 len = l[b];
-    TORCH_CHECK_VALUE(len >= 0 && len <= capacity, "seq_lens[", b, "] = ", len, " is outside [0, capacity = ",
-                      capacity, "] (capacity = block_table.size(1) * page_size)");
+    TORCH_CHECK_VALUE(len >= 0 && len <= capacity, msg("seq_lens[", b, "] = ", len, " is outside [0, capacity = ",
+                      capacity, "] (capacity = block_table.size(1) * page_size)"));
     const i64 pages = (len + page_size - 1) / page_size;
     for (i64 i = 0; i < pages; ++i)
-      TORCH_CHECK_VALUE(t[b][i] >= 0 && t[b][i] < num_pages, "block_table[", b, ", ", i, "] = ", t[b][i],
-                        " is outside [0, num_pages = ", num_pages, ") (used by seq_lens[", b, "] = ", len, ")");
+      TORCH_CHECK_VALUE(t[b][i] >= 0 && t[b][i] < num_pages, msg("block_table[", b, ", ", i, "] = ", t[b][i],
+                        " is outside [0, num_pages = ", num_pages, ") (used by seq_lens[", b, "] = ", len, ")"));
   }
 }
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
                            const at::Tensor& k_scale, const at::Tensor& v_scale) {
-  TORCH_CHECK_TYPE(query.scalar_type() == at::kHalf, "query must be float16, got ", query.scalar_type());
-  TORCH_CHECK_TYPE(key_cache.scalar_type() == at::kFloat8_e4m3fn, "key_cache must be float8_e4m3fn, got ",
-                   key_cache.scalar_type());
-  TORCH_CHECK_TYPE(value_cache.scalar_type() == at::kFloat8_e4m3fn, "value_cache must be float8_e4m3fn, got ",
-                   value_cache.scalar_type());
-  TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt, "block_table must be int32, got ",
-                   block_table.scalar_type());
-  TORCH_CHECK_TYPE(seq_lens.scalar_type() == at::kInt, "seq_lens must be int32, got ", seq_lens.scalar_type());
-  TORCH_CHECK_VALUE(query.dim() == 4, "query must be [B, H_q, Q, D], got shape ", query.sizes());
-  TORCH_CHECK_VALUE(key_cache.dim() == 4, "key_cache must be [P, page_size, H_kv, D], got shape ",
-                    key_cache.sizes());
-  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
-                    " != key_cache shape ", key_cache.sizes());
-  TORCH_CHECK_VALUE(block_table.dim() == 2, "block_table must be [B, max_pages], got shape ", block_table.sizes());
-  TORCH_CHECK_VALUE(seq_lens.dim() == 1, "seq_lens must be [B], got shape ", seq_lens.sizes());
+  TORCH_CHECK_TYPE(query.scalar_type() == at::kHalf, msg("query must be float16, got ", query.scalar_type()));
+  TORCH_CHECK_TYPE(key_cache.scalar_type() == at::kFloat8_e4m3fn, msg("key_cache must be float8_e4m3fn, got ",
+                   key_cache.scalar_type()));
+  TORCH_CHECK_TYPE(value_cache.scalar_type() == at::kFloat8_e4m3fn, msg("value_cache must be float8_e4m3fn, got ",
+                   value_cache.scalar_type()));
+  TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt, msg("block_table must be int32, got ",
+                   block_table.scalar_type()));
+  TORCH_CHECK_TYPE(seq_lens.scalar_type() == at::kInt, msg("seq_lens must be int32, got ", seq_lens.scalar_type()));
+  TORCH_CHECK_VALUE(query.dim() == 4, msg("query must be [B, H_q, Q, D], got shape ", query.sizes()));
+  TORCH_CHECK_VALUE(key_cache.dim() == 4, msg("key_cache must be [P, page_size, H_kv, D], got shape ",
+                    key_cache.sizes()));
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), msg("value_cache shape ", value_cache.sizes(),
+                    " != key_cache shape ", key_cache.sizes()));
+  TORCH_CHECK_VALUE(block_table.dim() == 2, msg("block_table must be [B, max_pages], got shape ", block_table.sizes()));
+  TORCH_CHECK_VALUE(seq_lens.dim() == 1, msg("seq_lens must be [B], got shape ", seq_lens.sizes()));
 
   const i64 B = query.size(0), H_q = query.size(1), Q = query.size(2), D = query.size(3);
   const i64 P = key_cache.size(0), page_size = key_cache.size(1), H_kv = key_cache.size(2);
   const i64 max_pages = block_table.size(1);
-  TORCH_CHECK_VALUE(key_cache.size(3) == D, "key_cache head dim ", key_cache.size(3), " != query head dim ", D);
-  TORCH_CHECK_VALUE(H_kv > 0 && H_q % H_kv == 0, "query heads H_q = ", H_q,
-                    " must be a multiple of the KV heads H_kv = ", H_kv);
-  TORCH_CHECK_VALUE(block_table.size(0) == B && seq_lens.size(0) == B, "block_table rows (", block_table.size(0),
-                    ") and seq_lens size (", seq_lens.size(0), ") must equal the batch size B = ", B);
+  TORCH_CHECK_VALUE(key_cache.size(3) == D, msg("key_cache head dim ", key_cache.size(3), " != query head dim ", D));
+  TORCH_CHECK_VALUE(H_kv > 0 && H_q % H_kv == 0, msg("query heads H_q = ", H_q,
+                    " must be a multiple of the KV heads H_kv = ", H_kv));
+  TORCH_CHECK_VALUE(block_table.size(0) == B && seq_lens.size(0) == B, msg("block_table rows (", block_table.size(0),
+                    ") and seq_lens size (", seq_lens.size(0), ") must equal the batch size B = ", B));
   check_last_dim_contiguous(query, "query");
   check_last_dim_contiguous(key_cache, "key_cache");
   check_last_dim_contiguous(value_cache, "value_cache");
   check_last_dim_contiguous(block_table, "block_table");
-  TORCH_CHECK_VALUE(query.is_cuda(), "query must be a CUDA tensor, got ", query.device());
+  TORCH_CHECK_VALUE(query.is_cuda(), msg("query must be a CUDA tensor, got ", query.device()));
   check_device(key_cache, query, "key_cache");
   check_device(value_cache, query, "value_cache");
   check_device(block_table, query, "block_table");
@@ -120,12 +143,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 
   // Shapes the kernels are built for.
   const i64 G = H_q / H_kv;
-  TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 256, "head dim ", D, " is not supported (64, 128, 256)");
-  TORCH_CHECK_VALUE(G >= 1 && G <= 8, "group size H_q / H_kv = ", G, " is not supported (1..8)");
-  TORCH_CHECK_VALUE(Q >= 1 && Q <= 16, "query rows Q = ", Q, " is not supported (1..16)");
+  TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 256, msg("head dim ", D, " is not supported (64, 128, 256)"));
+  TORCH_CHECK_VALUE(G >= 1 && G <= 8, msg("group size H_q / H_kv = ", G, " is not supported (1..8)"));
+  TORCH_CHECK_VALUE(Q >= 1 && Q <= 16, msg("query rows Q = ", Q, " is not supported (1..16)"));
   const i64 capacity = max_pages * page_size;
-  TORCH_CHECK_VALUE(capacity <= INT_MAX && P <= INT_MAX, "capacity (max_pages * page_size = ", capacity,
-                    ") and num_pages (", P, ") must fit in int32");
+  TORCH_CHECK_VALUE(capacity <= INT_MAX && P <= INT_MAX, msg("capacity (max_pages * page_size = ", capacity,
+                    ") and num_pages (", P, ") must fit in int32"));
 
   // 16-byte KV loads when every row start is 16-byte aligned, else 8-byte loads.
   auto kv_aligned = [&](i64 a) {
@@ -133,8 +156,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
            strides_aligned(value_cache, 3, a);
   };
   const int vec = kv_aligned(16) ? 16 : 8;
-  TORCH_CHECK_VALUE(vec == 16 || kv_aligned(8), "key_cache/value_cache rows must be 8-byte aligned (data_ptr ",
-                    "and strides of dims 0..2), got strides ", key_cache.strides(), " and ", value_cache.strides());
+  TORCH_CHECK_VALUE(vec == 16 || kv_aligned(8), msg("key_cache/value_cache rows must be 8-byte aligned (data_ptr ",
+                    "and strides of dims 0..2), got strides ", key_cache.strides(), " and ", value_cache.strides()));
 
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor out = at::empty({B, H_q, Q, D}, query.options());
@@ -148,8 +171,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, query.get_device()));
   const sm70attn::AttnPlan plan = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D,
                                                                  capacity, num_sms);
-  TORCH_CHECK_VALUE(B * H_kv * plan.row_groups <= INT_MAX && B * H_q * Q <= INT_MAX, "batch B = ", B,
-                    " is too large for the launch grid");
+  TORCH_CHECK_VALUE(B * H_kv * plan.row_groups <= INT_MAX && B * H_q * Q <= INT_MAX, msg("batch B = ", B,
+                    " is too large for the launch grid"));
   at::Tensor workspace;
   if (plan.workspace_floats > 0)
     workspace = at::empty({plan.workspace_floats}, query.options().dtype(at::kFloat));
@@ -185,42 +208,41 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
               const at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& k_scale,
               const at::Tensor& v_scale) {
-  TORCH_CHECK_TYPE(key.scalar_type() == at::kHalf, "key must be float16, got ", key.scalar_type());
-  TORCH_CHECK_TYPE(value.scalar_type() == at::kHalf, "value must be float16, got ", value.scalar_type());
-  TORCH_CHECK_TYPE(key_cache.scalar_type() == at::kFloat8_e4m3fn, "key_cache must be float8_e4m3fn, got ",
-                   key_cache.scalar_type());
-  TORCH_CHECK_TYPE(value_cache.scalar_type() == at::kFloat8_e4m3fn, "value_cache must be float8_e4m3fn, got ",
-                   value_cache.scalar_type());
-  TORCH_CHECK_TYPE(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64, got ",
-                   slot_mapping.scalar_type());
-  TORCH_CHECK_VALUE(key.dim() == 3, "key must be [T, H_kv, D], got shape ", key.sizes());
-  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value shape ", value.sizes(), " != key shape ", key.sizes());
-  TORCH_CHECK_VALUE(key_cache.dim() == 4, "key_cache must be [P, page_size, H_kv, D], got shape ",
-                    key_cache.sizes());
-  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
-                    " != key_cache shape ", key_cache.sizes());
+  TORCH_CHECK_TYPE(key.scalar_type() == at::kHalf, msg("key must be float16, got ", key.scalar_type()));
+  TORCH_CHECK_TYPE(value.scalar_type() == at::kHalf, msg("value must be float16, got ", value.scalar_type()));
+  TORCH_CHECK_TYPE(key_cache.scalar_type() == at::kFloat8_e4m3fn, msg("key_cache must be float8_e4m3fn, got ",
+                   key_cache.scalar_type()));
+  TORCH_CHECK_TYPE(value_cache.scalar_type() == at::kFloat8_e4m3fn, msg("value_cache must be float8_e4m3fn, got ",
+                   value_cache.scalar_type()));
+  TORCH_CHECK_TYPE(slot_mapping.scalar_type() == at::kLong, msg("slot_mapping must be int64, got ",
+                   slot_mapping.scalar_type()));
+  TORCH_CHECK_VALUE(key.dim() == 3, msg("key must be [T, H_kv, D], got shape ", key.sizes()));
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), msg("value shape ", value.sizes(), " != key shape ", key.sizes()));
+  TORCH_CHECK_VALUE(key_cache.dim() == 4, msg("key_cache must be [P, page_size, H_kv, D], got shape ",
+                    key_cache.sizes()));
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), msg("value_cache shape ", value_cache.sizes(),
+                    " != key_cache shape ", key_cache.sizes()));
   const i64 T = key.size(0), H_kv = key.size(1), D = key.size(2);
   const i64 P = key_cache.size(0), page_size = key_cache.size(1);
-  TORCH_CHECK_VALUE(key_cache.size(2) == H_kv && key_cache.size(3) == D, "key_cache [P, page_size, H_kv, D] = ",
-                    key_cache.sizes(), " does not match key [T, H_kv, D] = ", key.sizes());
-  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == T, "slot_mapping must be [T = ", T,
-                    "], got shape ", slot_mapping.sizes());
+  TORCH_CHECK_VALUE(key_cache.size(2) == H_kv && key_cache.size(3) == D, msg("key_cache [P, page_size, H_kv, D] = ",
+                    key_cache.sizes(), " does not match key [T, H_kv, D] = ", key.sizes()));
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == T, msg("slot_mapping must be [T = ", T,
+                    "], got shape ", slot_mapping.sizes()));
   check_last_dim_contiguous(key, "key");
   check_last_dim_contiguous(value, "value");
   check_last_dim_contiguous(key_cache, "key_cache");
   check_last_dim_contiguous(value_cache, "value_cache");
-  TORCH_CHECK_VALUE(key.is_cuda(), "key must be a CUDA tensor, got ", key.device());
+  TORCH_CHECK_VALUE(key.is_cuda(), msg("key must be a CUDA tensor, got ", key.device()));
   check_device(value, key, "value");
   check_device(key_cache, key, "key_cache");
   check_device(value_cache, key, "value_cache");
   check_device(slot_mapping, key, "slot_mapping");
   const int ks_stride = scale_stride(k_scale, H_kv, key, "k_scale");
   const int vs_stride = scale_stride(v_scale, H_kv, key, "v_scale");
-  TORCH_CHECK_VALUE(T <= INT_MAX && P <= INT_MAX && page_size <= INT_MAX && H_kv <= INT_MAX && D <= INT_MAX,
-                    "store_kv sizes must fit in int32");
+  TORCH_CHECK_VALUE(T <= INT_MAX && P <= INT_MAX && page_size <= INT_MAX && H_kv <= INT_MAX && D <= INT_MAX, msg("store_kv sizes must fit in int32"));
   if (T == 0 || H_kv == 0 || D == 0) return;
   const i64 items = T * H_kv * D;
-  TORCH_CHECK_VALUE(items / sm70attn::StoreKVTraits::THREADS < INT_MAX, "store_kv: too many elements");
+  TORCH_CHECK_VALUE(items / sm70attn::StoreKVTraits::THREADS < INT_MAX, msg("store_kv: too many elements"));
 
   sm70attn::StoreKVParams p{};
   p.key = reinterpret_cast<const __half*>(key.data_ptr<at::Half>());

@@ -18,7 +18,8 @@ import torch
 
 log = logging.getLogger("torch_sm70attn")
 
-CUDA_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+# The C++ standard is torch's own choice (C++17 or later).
+CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
 
 def csrc_dir() -> Path:
