@@ -62,8 +62,8 @@ def attention_fp64(
     capacity = block_table.shape[1] * page_size
     G = H_q // H_kv
     dev = query.device
-    ks = k_scale.double().reshape(-1).expand(H_kv)
-    vs = v_scale.double().reshape(-1).expand(H_kv)
+    ks = k_scale.to(dev, torch.float64).reshape(-1).expand(H_kv)
+    vs = v_scale.to(dev, torch.float64).reshape(-1).expand(H_kv)
     out = torch.zeros(B, H_q, Q, D, dtype=torch.float64, device=dev)
     for b, L in enumerate(seq_lens.cpu().tolist()):
         if clamp:
@@ -90,7 +90,7 @@ def attention_fp64(
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in FP64; NaN anywhere gives inf (NaN never passes)."""
-    out = out.double().cpu()
+    out, ref = out.double().cpu(), ref.double().cpu()
     if not torch.isfinite(out).all():
         return float("inf")
     den = ref.norm().item()
