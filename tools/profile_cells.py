@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from problems import make_problem, op_args  # noqa: E402
 
 import torch_sm70attn  # noqa: E402,F401
