@@ -48,7 +48,7 @@ def step_inputs(B, Q, ps, P, W, gen):
 
 
 @pytest.mark.parametrize("how", ["reduce-overhead", "inner-cudagraphs"])
-def test_cudagraph_trees_buckets_and_replays(how, monkeypatch):
+def test_cudagraph_trees_buckets_and_replays(how, monkeypatch, record):
     from torch._inductor import cudagraph_trees
 
     recordings = []
@@ -87,4 +87,5 @@ def test_cudagraph_trees_buckets_and_replays(how, monkeypatch):
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert len(recordings) == 3, f"recordings: {len(recordings)}"
     assert worst < 1e-2, worst
-    print(f"{how}: recordings {len(recordings)}, worst rel. error {worst:.2e}")
+    skips = counters["inductor"]["cudagraph_skips"]
+    record(f"compile {how}", worst, f"{len(recordings)} recordings, {skips} cudagraph skips")
