@@ -10,6 +10,7 @@
 #include <pybind11/pybind11.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cmath>
@@ -83,6 +84,20 @@ int scale_stride(const at::Tensor& s, i64 h_kv, const at::Tensor& ref, const cha
   check_device(s, ref, name);
   TORCH_CHECK_VALUE(s.numel() == 1 || s.stride(0) <= INT_MAX, msg(name, " stride too large"));
   return s.numel() == 1 ? 0 : (int)s.stride(0);
+}
+
+// sm70attn::attn_ctas_per_sm, cached per (device, D, mb, vec): the query costs microseconds.
+int ctas_per_sm(int device, int d, int mb, int vec) {
+  static std::atomic<int> cache[64][3][9][2];  // 0: not yet asked
+  if (device < 0 || device >= 64 || mb < 1 || mb > 8 || (d != 64 && d != 128 && d != 256))
+    return sm70attn::attn_ctas_per_sm(d, mb, vec);
+  std::atomic<int>& c = cache[device][d == 64 ? 0 : d == 128 ? 1 : 2][mb][vec == 16];
+  int n = c.load(std::memory_order_relaxed);
+  if (n == 0) {
+    n = std::max(sm70attn::attn_ctas_per_sm(d, mb, vec), 1);
+    c.store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 // Host-side check of the values the kernel otherwise clamps/skips (validate mode only).
@@ -169,8 +184,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 
   int num_sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, query.get_device()));
+  // Splits follow the kernel's occupancy on this device (a property of (D, mb, vec) and the GPU
+  // only: the plan stays independent of B and of seq_lens values).
+  const int mb = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D, capacity, num_sms).mb;
   const sm70attn::AttnPlan plan = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D,
-                                                                 capacity, num_sms);
+                                                                 capacity, num_sms,
+                                                                 ctas_per_sm(query.get_device(), (int)D, mb, vec));
   TORCH_CHECK_VALUE(B * H_kv * plan.row_groups <= INT_MAX && B * H_q * Q <= INT_MAX, msg("batch B = ", B,
                     " is too large for the launch grid"));
   at::Tensor workspace;

@@ -5,6 +5,7 @@
 
 #include "sm70attn/e4m3.h"
 #include "sm70attn/params.h"
+#include "sm70attn/utils.h"
 
 namespace sm70attn {
 
@@ -15,49 +16,54 @@ template <> struct LoadVec<8> { using type = uint2; };
 __device__ __forceinline__ void zero(uint4& x) { x = make_uint4(0u, 0u, 0u, 0u); }
 __device__ __forceinline__ void zero(uint2& x) { x = make_uint2(0u, 0u); }
 
-// Chunk c of a tile (c = tid + l * THREADS) is bytes [part * VEC, part * VEC + VEC) of token
-// c / CPT: consecutive threads read consecutive chunks of a token row (coalesced).
+// Thread tid serves token j = tid / TPK of the tile and its chunks part = tid % TPK + l * TPK
+// (l < LPT): the token's page and offset are found once (one FastDiv) and shared by its K and V
+// chunks, so the per-byte gather cost is a few base-pointer loads. A warp's load l covers
+// 32 / TPK tokens with TPK * VEC contiguous bytes each (whole 32-byte sectors).
 template <class KT>
 struct KvStage {
   using Vec = typename LoadVec<KT::VEC>::type;
-  Vec k[KT::LPT], v[KT::LPT];
-  unsigned ok;  // bit l: chunk l's token is inside [t0, t_end) and its page id is valid
+  static constexpr int TPK = KT::TPK, LPT = KT::LPT;
+  Vec k[LPT], v[LPT];
+  bool ok;  // this thread's token is inside [t0, t_end) and its page id is valid
 
+  // kb, vb: the KV head's base plus this thread's first chunk (tid % TPK * VEC).
   // Tokens >= t_end and tokens on a page id outside [0, num_pages) are not read (zeros);
   // the softmax masks them through the per-token flag.
   __device__ __forceinline__ void load(const PagedAttnParams& p, const unsigned char* kb,
                                        const unsigned char* vb, const int* bt, int t0, int t_end,
                                        int tid) {
-    ok = 0u;
+    const int t = t0 + tid / TPK;
 #pragma unroll
-    for (int l = 0; l < KT::LPT; ++l) {
-      const int c = tid + l * KT::THREADS;
-      const int t = t0 + c / KT::CPT;
-      zero(k[l]);
-      zero(v[l]);
-      if ((KT::CHUNKS % KT::THREADS == 0 || c < KT::CHUNKS) && t < t_end) {
-        const int pi = t / p.page_size;  // < max_pages: t < t_end <= capacity
-        const int page = __ldg(bt + pi);
-        if (page >= 0 && page < p.num_pages) {
-          const i64 off = t - pi * p.page_size, part = (c % KT::CPT) * KT::VEC;
-          k[l] = __ldg(reinterpret_cast<const Vec*>(kb + page * p.k_stride_page + off * p.k_stride_tok + part));
-          v[l] = __ldg(reinterpret_cast<const Vec*>(vb + page * p.v_stride_page + off * p.v_stride_tok + part));
-          ok |= 1u << l;
+    for (int l = 0; l < LPT; ++l) zero(k[l]), zero(v[l]);
+    ok = false;
+    if ((KT::ACTIVE == KT::THREADS || tid < KT::ACTIVE) && t < t_end) {
+      const int pi = fastdiv(t, FastDiv{p.page_div_m, p.page_div_l});  // < max_pages: t < t_end <= capacity
+      const int page = __ldg(bt + pi);
+      if (page >= 0 && page < p.num_pages) {
+        const i64 off = t - pi * p.page_size;
+        const unsigned char* kp = kb + page * p.k_stride_page + off * p.k_stride_tok;
+        const unsigned char* vp = vb + page * p.v_stride_page + off * p.v_stride_tok;
+#pragma unroll
+        for (int l = 0; l < LPT; ++l) {
+          k[l] = __ldg(reinterpret_cast<const Vec*>(kp + l * TPK * KT::VEC));
+          v[l] = __ldg(reinterpret_cast<const Vec*>(vp + l * TPK * KT::VEC));
         }
+        ok = true;
       }
     }
   }
 
   __device__ __forceinline__ void store(__half* Ks, __half* Vs, int* tok_ok, int tid) const {
+    if (KT::ACTIVE == KT::THREADS || tid < KT::ACTIVE) {
+      const int j = tid / TPK, q = tid % TPK;
 #pragma unroll
-    for (int l = 0; l < KT::LPT; ++l) {
-      const int c = tid + l * KT::THREADS;
-      if (KT::CHUNKS % KT::THREADS == 0 || c < KT::CHUNKS) {
-        const int j = c / KT::CPT, part = c % KT::CPT;
+      for (int l = 0; l < LPT; ++l) {
+        const int part = q + l * TPK;
         store_chunk(Ks + j * KT::KLD + part * KT::VEC, k[l], part);
         store_chunk(Vs + j * KT::KLD + part * KT::VEC, v[l], part);
-        if (part == 0) tok_ok[j] = (ok >> l) & 1u;
       }
+      if (q == 0) tok_ok[j] = ok;
     }
   }
 

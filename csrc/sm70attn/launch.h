@@ -17,8 +17,10 @@ namespace sm70attn {
 
 // p.num_splits / p.row_groups from the plan. cudaErrorInvalidValue: (D, mb, vec) not built.
 // Launch errors are left for the caller's cudaGetLastError.
-inline cudaError_t launch_paged_attention(const PagedAttnParams& p, int mb, int vec,
+inline cudaError_t launch_paged_attention(const PagedAttnParams& params, int mb, int vec,
                                           cudaStream_t stream) {
+  PagedAttnParams p = params;
+  set_page_divisor(p);
   cudaError_t err = cudaErrorInvalidValue;
   attn_switch(p.D, mb, vec, [&](auto kt) {
     using KT = decltype(kt);
@@ -33,10 +35,26 @@ inline cudaError_t launch_paged_attention(const PagedAttnParams& p, int mb, int 
   err = cudaErrorInvalidValue;
   combine_switch(p.D, [&](auto ct) {
     using CT = decltype(ct);
-    combine_kernel<CT><<<(unsigned)((i64)p.B * p.H_q * p.Q), CT::THREADS, CT::SMEM_BYTES, stream>>>(p);
+    combine_kernel<CT><<<dim3((unsigned)((i64)p.B * p.H_q * p.Q), CT::D / CT::CW), CT::THREADS, CT::SMEM_BYTES, stream>>>(p);
     err = cudaSuccess;
   });
   return err;
+}
+
+// Resident CTAs per SM of the (D, mb, vec) attention kernel on the current device (0: not built
+// or the query failed), for plan_paged_attention's ctas_per_sm. No work is enqueued (capture-safe).
+inline int attn_ctas_per_sm(int d, int mb, int vec) {
+  int n = 0;
+  attn_switch(d, mb, vec, [&](auto kt) {
+    using KT = decltype(kt);
+    auto kernel = paged_attention_kernel<KT>;
+    if (KT::SMEM_BYTES > 48 * 1024 &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, KT::SMEM_BYTES) != cudaSuccess)
+      return;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, KT::THREADS, KT::SMEM_BYTES) != cudaSuccess) n = 0;
+  });
+  if (n == 0) (void)cudaGetLastError();  // leave no error behind for the caller's launch check
+  return n;
 }
 
 inline void launch_store_kv(const StoreKVParams& p, cudaStream_t stream) {

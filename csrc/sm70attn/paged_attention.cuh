@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   __half* Qs = reinterpret_cast<__half*>(smem + KT::Q_OFF);  // [ROWS][QLD]
   __half* Ks = reinterpret_cast<__half*>(smem + KT::K_OFF);  // [N][KLD]
   __half* Vs = reinterpret_cast<__half*>(smem + KT::V_OFF);  // [N][KLD]
-  float* Ss = reinterpret_cast<float*>(smem + KT::S_OFF);    // [ROWS][SLD]
+  float* Ss = reinterpret_cast<float*>(smem + KT::S_OFF);    // [KS][ROWS][SLD] partial scores
   __half* Ps = reinterpret_cast<__half*>(Ss);                // [ROWS][PLD], row r inside S row r
   float* As = Ss + N / 2;                                    // [ROWS][SLD], 16 per row, after P
   float* Es = reinterpret_cast<float*>(smem);                // [ROWS][ELD], epilogue only
@@ -110,8 +110,9 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
 
   // Score scale in log2 units: softmax scale * k_scale * 2^8 (e4m3 -> fp16 leaves K at 2^-8).
   const float sl2 = p.scale_log2 * __ldg(p.k_scale + kvh * p.k_scale_stride) * 256.f;
-  const unsigned char* kb = p.k + kvh * p.k_stride_head;
-  const unsigned char* vb = p.v + kvh * p.v_stride_head;
+  const int part0 = tid % KT::TPK * KT::VEC;  // this thread's first chunk of its token
+  const unsigned char* kb = p.k + kvh * p.k_stride_head + part0;
+  const unsigned char* vb = p.v + kvh * p.v_stride_head + part0;
   const int* bt = p.block_table + b * p.bt_stride_b;
 
   KvStage<KT> st;
@@ -122,19 +123,21 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     __syncthreads();
     if (t0 + N < t_end) st.load(p, kb, vb, bt, t0 + N, t_end, tid);
 
-    // S = Q K^T: warp (mblk, wn) computes S tiles n = wn, wn + WN, ... of its row block.
+    // S = Q K^T: warp (mblk, wn) computes S tiles n = wns, wns + WNS, ... of its row block over
+    // D slices [ks * DPK, ks * DPK + DPK), into partial buffer ks (wns = wn % WNS, ks = wn / WNS).
     {
+      const int wns = wn % KT::WNS, ks = wn / KT::WNS;
       FragC s[KT::SPW];
 #pragma unroll
       for (int k = 0; k < KT::SPW; ++k) wmma::fill_fragment(s[k], 0.f);
 #pragma unroll 2
-      for (int kk = 0; kk < KT::DB; ++kk) {
+      for (int kk = ks * KT::DPK; kk < ks * KT::DPK + KT::DPK; ++kk) {
         FragA a;
         wmma::load_matrix_sync(a, Qs + mblk * 16 * KT::QLD + kk * 16, KT::QLD);
 #pragma unroll
         for (int k = 0; k < KT::SPW; ++k) {
-          const int n = wn + k * WN;
-          if (KT::NB % WN == 0 || n < KT::NB) {
+          const int n = wns + k * KT::WNS;
+          if (KT::NB % KT::WNS == 0 || n < KT::NB) {
             FragKt bk;
             wmma::load_matrix_sync(bk, Ks + n * 16 * KT::KLD + kk * 16, KT::KLD);
             wmma::mma_sync(s[k], a, bk, s[k]);
@@ -143,51 +146,61 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
       }
 #pragma unroll
       for (int k = 0; k < KT::SPW; ++k) {
-        const int n = wn + k * WN;
-        if (KT::NB % WN == 0 || n < KT::NB)
-          wmma::store_matrix_sync(Ss + mblk * 16 * KT::SLD + n * 16, s[k], KT::SLD, wmma::mem_row_major);
+        const int n = wns + k * KT::WNS;
+        if (KT::NB % KT::WNS == 0 || n < KT::NB)
+          wmma::store_matrix_sync(Ss + ks * ROWS * KT::SLD + mblk * 16 * KT::SLD + n * 16, s[k], KT::SLD,
+                                  wmma::mem_row_major);
       }
     }
     __syncthreads();
 
-    // Online softmax, fp32, one warp per row (N / 32 tokens per lane). Row r of request b
-    // sees t <= len - Q + r; tokens on invalid pages are masked like future ones.
+    // Online softmax, fp32, two rows per warp pass: half-warp h of pass k takes row
+    // lr = mblk * 16 + wn + (2k + h) * WN, its lanes N / 16 tokens each (j = hl + 16c), so one
+    // 4-step shuffle reduction serves two rows. Row r of request b sees t <= len - Q + r; tokens on
+    // invalid pages are masked like future ones; a padding row (lr >= nrows) sees nothing, so its
+    // P and alpha come out 0 and its O stays 0.
+    {
+      const int half = lane >> 4, hl = lane & 15;
 #pragma unroll 2
-    for (int k = 0; k < 16 / WN; ++k) {
-      const int lr = mblk * 16 + wn + k * WN;
-      if (lr >= nrows) {  // padding row (warp-uniform): P = 0 and alpha = 0 keep its O at 0
+      for (int k = 0; k < 16 / WN / 2; ++k) {
+        const int lr = mblk * 16 + wn + (2 * k + half) * WN;
+        if (mblk * 16 + wn + 2 * k * WN >= nrows) {  // both rows padding (warp-uniform): P = 0, alpha = 0
 #pragma unroll
-        for (int c = 0; c < N / 32; ++c) Ps[lr * KT::PLD + lane + 32 * c] = __ushort_as_half(0);
-        if (lane < 16) As[lr * KT::SLD + lane] = 0.f;
-        continue;
-      }
-      const int last = len - p.Q + (row0 + lr) % p.Q - t0;  // last visible token, tile-relative
-      float s[N / 32];
-      float mx = neg_inf();
+          for (int c = 0; c < N / 16; ++c) Ps[lr * KT::PLD + hl + 16 * c] = __ushort_as_half(0);
+          As[lr * KT::SLD + hl] = 0.f;
+          continue;
+        }
+        const int last = lr < nrows ? len - p.Q + (row0 + lr) % p.Q - t0 : -1;  // last visible token, tile-relative
+        float s[N / 16];
+        float mx = neg_inf();
 #pragma unroll
-      for (int c = 0; c < N / 32; ++c) {
-        const int j = lane + 32 * c;
-        s[c] = (j <= last && tok_ok[j]) ? Ss[lr * KT::SLD + j] * sl2 : neg_inf();
-        mx = fmaxf(mx, s[c]);
-      }
-      mx = warp_max(mx);
-      const float m_old = row_m[lr], l_old = row_l[lr];
-      const float m_new = fmaxf(m_old, mx);
-      const float m_use = m_new == neg_inf() ? 0.f : m_new;  // fully masked so far: p = 0
-      __syncwarp();  // the row's S values and state are read before P and state overwrite them
-      float sum = 0.f;
+        for (int c = 0; c < N / 16; ++c) {
+          const int j = hl + 16 * c;
+          float sc = Ss[lr * KT::SLD + j];
 #pragma unroll
-      for (int c = 0; c < N / 32; ++c) {
-        const float pr = exp2f(s[c] - m_use);
-        sum += pr;
-        Ps[lr * KT::PLD + lane + 32 * c] = __float2half_rn(pr);
-      }
-      sum = warp_sum(sum);
-      const float alpha = exp2f(m_old - m_use);
-      if (lane < 16) As[lr * KT::SLD + lane] = alpha;  // per row block a 16 x 16 tile: alpha of row i
-      if (lane == 0) {
-        row_m[lr] = m_new;
-        row_l[lr] = l_old * alpha + sum;
+          for (int q = 1; q < KT::KS; ++q) sc += Ss[q * ROWS * KT::SLD + lr * KT::SLD + j];  // partials in order
+          s[c] = (j <= last && tok_ok[j]) ? sc * sl2 : neg_inf();
+          mx = fmaxf(mx, s[c]);
+        }
+        mx = half_warp_max(mx);
+        const float m_old = row_m[lr], l_old = row_l[lr];
+        const float m_new = fmaxf(m_old, mx);
+        const float m_use = m_new == neg_inf() ? 0.f : m_new;  // fully masked so far: p = 0
+        __syncwarp();  // the rows' S values and state are read before P and state overwrite them
+        float sum = 0.f;
+#pragma unroll
+        for (int c = 0; c < N / 16; ++c) {
+          const float pr = exp2f(s[c] - m_use);
+          sum += pr;
+          Ps[lr * KT::PLD + hl + 16 * c] = __float2half_rn(pr);
+        }
+        sum = half_warp_sum(sum);
+        const float alpha = exp2f(m_old - m_use);
+        As[lr * KT::SLD + hl] = alpha;  // per row block a 16 x 16 tile: alpha of row i
+        if (hl == 0) {
+          row_m[lr] = m_new;
+          row_l[lr] = l_old * alpha + sum;
+        }
       }
     }
     __syncthreads();

@@ -27,6 +27,7 @@ struct PagedAttnParams {
   float2* part_ml;     // [B * H_q * Q, num_splits] (row max in log2 units, row sum)
   int B, H_q, H_kv, G, Q, D;
   int page_size, max_pages, num_pages;  // capacity = max_pages * page_size (fits in int)
+  unsigned page_div_m, page_div_l;  // t / page_size = fastdiv(t, {m, l}) (utils.h); set by the launcher
   int rows;        // G * Q: query rows sharing one KV head
   int row_groups;  // CTAs over the rows of one KV head (1 unless G * Q is too large for one CTA)
   int num_splits;  // context splits per (request, KV head, row group)

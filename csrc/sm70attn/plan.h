@@ -7,6 +7,7 @@
 
 #include "sm70attn/params.h"
 #include "sm70attn/traits.h"
+#include "sm70attn/utils.h"
 
 namespace sm70attn {
 
@@ -19,10 +20,12 @@ struct AttnPlan {
 
 // Depends on shapes and the SM count only, never on seq_lens values (one CUDA graph serves
 // every length <= capacity) nor on B (a request's result is bitwise the same alone or batched).
-// Splits: about two CTAs per SM for one request, each split at least 4 tiles and 16 tokens per
-// query row (the fp32 partials of a split stay well under its KV bytes), at most 256.
+// Splits: one request fills the SMs with ctas_per_sm resident CTAs each (the kernel's occupancy
+// on this device, measured by the launcher: attn_ctas_per_sm; at least 2), each split at least
+// 4 tiles and 16 tokens per query row (the fp32 partials of a split stay well under its KV
+// bytes), at most 512. ctas_per_sm depends on (D, mb, VEC) and the device only.
 inline AttnPlan plan_paged_attention(int B, int H_q, int H_kv, int Q, int D, i64 capacity,
-                                     int num_sms) {
+                                     int num_sms, int ctas_per_sm = 2) {
   AttnPlan pl;
   const int rows = H_q / H_kv * Q, need = (rows + 15) / 16, max_mb = attn_max_row_blocks(D);
   pl.row_groups = (need + max_mb - 1) / max_mb;
@@ -30,11 +33,17 @@ inline AttnPlan plan_paged_attention(int B, int H_q, int H_kv, int Q, int D, i64
   const i64 cta_rows = std::min(rows, 16 * pl.mb);
   const i64 min_split = std::max<i64>(4 * attn_tile_tokens(D, pl.mb), 16 * cta_rows);
   const i64 per_request = (i64)H_kv * pl.row_groups;
-  i64 splits = (2 * (i64)num_sms + per_request - 1) / per_request;
+  i64 splits = (std::max(ctas_per_sm, 2) * (i64)num_sms + per_request - 1) / per_request;
   splits = std::min(splits, std::max<i64>(1, capacity / min_split));
-  pl.num_splits = (int)std::max<i64>(1, std::min<i64>(splits, 256));
+  pl.num_splits = (int)std::max<i64>(1, std::min<i64>(splits, 512));
   if (pl.num_splits > 1) pl.workspace_floats = (i64)B * H_q * Q * pl.num_splits * (D + 2);
   return pl;
+}
+
+// The page-size divisor the kernel uses for t / page_size (launch_paged_attention calls this).
+inline void set_page_divisor(PagedAttnParams& p) {
+  const FastDiv f = fastdiv_init(p.page_size);
+  p.page_div_m = f.m, p.page_div_l = f.l;
 }
 
 // Where the plan's workspace goes in p (part_acc first, then part_ml).

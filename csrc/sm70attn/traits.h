@@ -9,7 +9,7 @@ namespace sm70attn {
 // the 96 KB of shared memory.
 __host__ __device__ constexpr int attn_max_row_blocks(int d) { return d == 256 ? 4 : 8; }
 
-// KV tokens per tile. 32 (one softmax lane per token) keeps the fp16 K+V tiles at 9/17/34 KB
+// KV tokens per tile. 32 (two tokens per softmax lane, a half-warp per row) keeps the fp16 K+V tiles at 9/17/34 KB
 // for D=64/128/256 so several CTAs share an SM; the register-staged e4m3 tile (4/8/16 KB per
 // CTA in flight) covers V100's ~7 KB per SM of bandwidth x latency. D=64 with few rows takes 64.
 __host__ __device__ constexpr int attn_tile_tokens(int d, int mb) { return d == 64 && mb <= 2 ? 64 : 32; }
@@ -22,6 +22,8 @@ __host__ __device__ constexpr int attn_warps_per_row_block(int d, int mb) {
   return for_cta > for_regs ? for_cta : for_regs;
 }
 
+__host__ __device__ constexpr int pow2_floor(int x) { return x >= 2 ? 2 * pow2_floor(x / 2) : 1; }
+
 template <int D_, int MB_, int VEC_>
 struct AttnTraits {
   static constexpr int D = D_;      // head dim
@@ -32,12 +34,23 @@ struct AttnTraits {
   static constexpr int DB = D / 16, NB = N / 16;      // 16-wide column tiles of O and S
   static constexpr int WN = attn_warps_per_row_block(D, MB);
   static constexpr int WARPS = MB * WN, THREADS = 32 * WARPS;
-  static constexpr int SPW = (NB + WN - 1) / WN;  // S tiles per warp (warps past NB idle in QK^T)
+  // QK^T: when a row block has more warps than S tiles (WN > NB), KS = WN / NB warps share each
+  // S tile, each summing DB / KS of the 16-wide D slices into its own fp32 S buffer; the softmax
+  // adds the KS partial scores in buffer order (fixed: deterministic). Otherwise warps split the
+  // S tiles, SPW each.
+  // Only D = 256 (16 slices): at D = 128 the second S buffer would cost D128 MB1 a CTA per SM.
+  static constexpr int KS = D == 256 && WN > NB ? WN / NB : 1;
+  static constexpr int WNS = WN / KS;               // warps across the S tiles of a row block
+  static constexpr int SPW = (NB + WNS - 1) / WNS;  // S tiles per warp
+  static constexpr int DPK = DB / KS;               // D slices per warp in QK^T
   static constexpr int DPW = DB / WN;             // O tiles per warp, kept in registers
 
   // KV gather: a tile is N rows of D bytes; CPT chunks of VEC bytes per row.
+  // TPK threads per token (a power of two dividing CPT, at most THREADS / N), each loading LPT
+  // chunks of its token; the first ACTIVE = N * TPK threads gather.
   static constexpr int CPT = D / VEC, CHUNKS = N * CPT;
-  static constexpr int LPT = (CHUNKS + THREADS - 1) / THREADS;  // loads per thread per tensor
+  static constexpr int TPK = pow2_floor(THREADS / N < CPT ? THREADS / N : CPT);
+  static constexpr int LPT = CPT / TPK, ACTIVE = N * TPK;  // loads per thread per tensor
 
   // Shared memory (leading dims in elements). +8 halves / +4 floats of padding make the row
   // stride 16 bytes mod 128: conflict-free WMMA loads/stores. P (fp16) overwrites the first
@@ -48,35 +61,41 @@ struct AttnTraits {
   static constexpr int K_OFF = Q_OFF + ROWS * QLD * 2;
   static constexpr int V_OFF = K_OFF + N * KLD * 2;
   static constexpr int S_OFF = V_OFF + N * KLD * 2;
-  static constexpr int LOOP_BYTES = S_OFF + ROWS * SLD * 4;
+  static constexpr int LOOP_BYTES = S_OFF + KS * ROWS * SLD * 4;  // KS partial S buffers
   static constexpr int EPI_BYTES = ROWS * ELD * 4;  // fp32 O staged for the epilogue (aliases all above)
   static constexpr int ROW_OFF = LOOP_BYTES > EPI_BYTES ? LOOP_BYTES : EPI_BYTES;
   static constexpr int TOK_OFF = ROW_OFF + 2 * ROWS * 4;  // after row max, row sum
   static constexpr int SMEM_BYTES = TOK_OFF + N * 4;      // + per-token "page valid" flags
-  // __launch_bounds__ min blocks: as many CTAs per SM as shared memory allows, but never a
-  // register budget under 128 per thread (65536 / (128 * THREADS) CTAs).
+  // __launch_bounds__ min blocks: as many CTAs per SM as shared memory allows (96 KB, SM70), but
+  // never a register budget under 128 per thread (65536 / (128 * THREADS) CTAs). Decode (MB = 1,
+  // 4 warps) asks for at least 3 (<= 168 registers): SMs with more shared memory (SM80+) then hold
+  // 12 warps, and the plan sizes its splits from the occupancy the launcher measures.
   static constexpr int SMEM_BLOCKS = 96 * 1024 / SMEM_BYTES;
   static constexpr int REG_BLOCKS = 512 / THREADS > 0 ? 512 / THREADS : 1;
-  static constexpr int MIN_BLOCKS = SMEM_BLOCKS < REG_BLOCKS ? SMEM_BLOCKS : REG_BLOCKS;
+  static constexpr int FIT_BLOCKS = SMEM_BLOCKS < REG_BLOCKS ? SMEM_BLOCKS : REG_BLOCKS;
+  static constexpr int WANT_BLOCKS = MB == 1 && FIT_BLOCKS < 3 ? 3 : FIT_BLOCKS;
+  static constexpr int MIN_BLOCKS = WANT_BLOCKS < REG_BLOCKS ? WANT_BLOCKS : REG_BLOCKS;
 
   static_assert(D == 64 || D == 128 || D == 256, "head dim");
   static_assert(MB >= 1 && MB <= attn_max_row_blocks(D), "row blocks");
   static_assert(VEC == 8 || VEC == 16, "load width");
-  static_assert(N % 32 == 0 && N <= 128, "softmax: N / 32 tokens per lane");
+  static_assert(N % 32 == 0 && N <= 128, "softmax: N / 16 tokens per half-warp lane");
   static_assert(16 % WN == 0 && DB % WN == 0, "row and column split over WN warps");
+  static_assert(WN % KS == 0 && DB % KS == 0 && (KS == 1 || NB % WNS == 0), "QK^T split over D");
   static_assert(DPW <= 4, "fp32 O accumulators per thread (registers)");
   static_assert(WARPS <= 16, "threads per CTA");
+  static_assert(CPT % TPK == 0 && ACTIVE <= THREADS, "gather layout");
   static_assert(S_OFF % 32 == 0 && V_OFF % 32 == 0 && N * 2 % 32 == 0, "WMMA 256-bit alignment");
   static_assert(SMEM_BYTES <= 96 * 1024, "SM70 shared memory per block");
 };
 
-// Combine (split-K reduction): one CTA per output row, its warps share the splits,
-// D / 32 floats per lane.
+// Combine (split-K reduction): one CTA per (output row, 32 columns), a column per lane; its
+// WARPS warps share the splits with U loads in flight each.
 template <int D_>
 struct CombineTraits {
-  static constexpr int D = D_, WARPS = 8, THREADS = 32 * WARPS, VPL = D / 32;
-  static constexpr int SMEM_BYTES = (WARPS * D + WARPS) * 4;  // per-warp sums
-  static_assert(VPL == 2 || VPL == 4 || VPL == 8, "head dim");
+  static constexpr int D = D_, CW = 32, WARPS = 16, THREADS = 32 * WARPS, U = 16;
+  static constexpr int SMEM_BYTES = (WARPS * CW + WARPS) * 4;  // per-warp sums
+  static_assert(D % CW == 0, "head dim");
 };
 
 // store_kv: one thread quantizes 8 consecutive elements (or single elements on the slow path).
