@@ -7,6 +7,9 @@ the page gather of a float8_e4m3fn cache, following only steps whose meaning it 
     cache.index_select(0, bt.view(-1))       the page gather on a page view
     .flatten / .view / .reshape              regrouping of dims (never splitting a page)
     .transpose / .permute / .contiguous      layout
+    x[:, :, :T]                              a slice to the full static length (a no-op);
+                                             a shorter one changes which positions a row
+                                             sees, so it is refused
     .to(float16) / .half() / .float()        the dequantizing conversion (fp8 -> fp16)
     * k_scale                                float, 0-d / [1] / per-KV-head tensor or buffer
     .repeat_interleave(G, dim=heads)         GQA expansion as written in plain PyTorch

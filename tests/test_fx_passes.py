@@ -137,6 +137,8 @@ def reshape_first(q, kc, vc, bt, sl, ks, vs):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.1)
 
 
+# The "before" graphs are Dynamo's output: pinned to the torch that CI installs (2.13.0);
+# regenerate with EXPECTTEST_ACCEPT=1 when that pin moves. The "after" graphs are the pass's.
 class Attn(expecttest.TestCase):
     def run_fn(self, fn, args):
         """Compile with the rewrite; one rewrite, compiled equals eager; the captured graphs."""
@@ -181,6 +183,31 @@ return (v4,)""",
     def test_hf_repeat_kv(self):
         cap = self.run_fn(hf, problem(seed=1))
         self.assertExpectedInline(
+            cap.before,
+            """\
+v0 = .long(bt)
+v1 = getitem(kc, v0)
+v2 = .flatten(v1, 1, 2)
+v3 = .half(v2)
+v4 = mul(v3, ks)
+v5 = .transpose(v4, 1, 2)
+v6 = .long(bt)
+v7 = getitem(vc, v6)
+v8 = .flatten(v7, 1, 2)
+v9 = .half(v8)
+v10 = mul(v9, vs)
+v11 = .transpose(v10, 1, 2)
+v12 = sm70attn.verifier_mask(sl, 4, 48)
+v13 = getitem(v5, (slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None)))
+v14 = .expand(v13, 2, 2, 6, 48, 64)
+v15 = .reshape(v14, 2, 12, 48, 64)
+v16 = getitem(v11, (slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None)))
+v17 = .expand(v16, 2, 2, 6, 48, 64)
+v18 = .reshape(v17, 2, 12, 48, 64)
+v19 = sdpa(q, v15, v18, attn_mask=v12)
+return (v19,)""",
+        )
+        self.assertExpectedInline(
             cap.after,
             """\
 v0 = .reshape(ks, (-1,))
@@ -193,6 +220,29 @@ return (v4,)""",
 
     def test_index_select_enable_gqa_per_head_scale(self):
         cap = self.run_fn(gqa, problem(per_head=True, seed=2))
+        self.assertExpectedInline(
+            cap.before,
+            """\
+v0 = .view(bt, -1)
+v1 = index_select(kc, 0, v0)
+v2 = .view(v1, 2, -1, 2, 64)
+v3 = .float(v2)
+v4 = .view(ks, 1, 1, 2, 1)
+v5 = mul(v3, v4)
+v6 = .view(bt, -1)
+v7 = index_select(vc, 0, v6)
+v8 = .view(v7, 2, -1, 2, 64)
+v9 = .float(v8)
+v10 = .view(vs, 1, 1, 2, 1)
+v11 = mul(v9, v10)
+v12 = .half(v5)
+v13 = .permute(v12, 0, 2, 1, 3)
+v14 = .half(v11)
+v15 = .permute(v14, 0, 2, 1, 3)
+v16 = sm70attn.verifier_mask(sl, 4, 48)
+v17 = sdpa(q, v13, v15, attn_mask=v16, enable_gqa=True)
+return (v17,)""",
+        )
         self.assertExpectedInline(
             cap.after,
             """\
@@ -208,6 +258,27 @@ return (v6,)""",
 
     def test_layout_before_conversion_float_scale(self):
         cap = self.run_fn(reshape_first, problem(seed=3))
+        self.assertExpectedInline(
+            cap.before,
+            """\
+v0 = getitem(kc, bt)
+v1 = .reshape(v0, 2, -1, 2, 64)
+v2 = .permute(v1, 0, 2, 1, 3)
+v3 = .contiguous(v2)
+v4 = .to(v3, dtype=torch.float16)
+v5 = mul(v4, 0.09)
+v6 = getitem(vc, bt)
+v7 = .reshape(v6, 2, -1, 2, 64)
+v8 = .permute(v7, 0, 2, 1, 3)
+v9 = .contiguous(v8)
+v10 = .to(v9, dtype=torch.float16)
+v11 = mul(v10, 0.07)
+v12 = .repeat_interleave(v5, 6, 1)
+v13 = .repeat_interleave(v11, 6, 1)
+v14 = sm70attn.verifier_mask(sl, 4, 48)
+v15 = sdpa(q, v12, v13, attn_mask=v14, scale=0.1)
+return (v15,)""",
+        )
         self.assertExpectedInline(
             cap.after,
             """\
@@ -385,6 +456,23 @@ class Store(expecttest.TestCase):
     def test_slot_assignment(self):
         cap = self.run_fn(write_slots, store_problem())
         self.assertExpectedInline(
+            cap.before,
+            """\
+v0 = .float(k)
+v1 = truediv(v0, ks)
+v2 = .clamp(v1, -448, 448)
+v3 = .to(v2, torch.float8_e4m3fn)
+v4 = .view(kc, -1, 2, 64)
+v5 = setitem(v4, slots, v3)
+v6 = .float(v)
+v7 = truediv(v6, vs)
+v8 = .clamp(v7, -448, 448)
+v9 = .to(v8, torch.float8_e4m3fn)
+v10 = .view(vc, -1, 2, 64)
+v11 = setitem(v10, slots, v9)
+return ()""",
+        )
+        self.assertExpectedInline(
             cap.after,
             """\
 v0 = .reshape(ks, (-1,))
@@ -399,6 +487,23 @@ return ()""",
         # eager index_copy_ has no float8 CPU kernel: compared against slot assignment
         cap = self.run_fn(write_index_put, store_problem(seed=1))
         self.assertExpectedInline(
+            cap.before,
+            """\
+v0 = .view(kc, -1, 2, 64)
+v1 = .float(k)
+v2 = truediv(v1, ks)
+v3 = .clamp(v2, min=-448, max=448)
+v4 = .to(v3, torch.float8_e4m3fn)
+v5 = .index_put_(v0, (slots,), v4)
+v6 = .view(vc, -1, 2, 64)
+v7 = .float(v)
+v8 = truediv(v7, vs)
+v9 = clamp(v8, -448, 448)
+v10 = .to(v9, torch.float8_e4m3fn)
+v11 = .index_copy_(v6, 0, slots, v10)
+return ()""",
+        )
+        self.assertExpectedInline(
             cap.after,
             """\
 v0 = .reshape(ks, (-1,))
@@ -411,6 +516,25 @@ return ()""",
 
     def test_page_offset_per_head_scale(self):
         cap = self.run_fn(write_page_offset, store_problem(per_head=True, seed=2))
+        self.assertExpectedInline(
+            cap.before,
+            """\
+v0 = .view(ks, -1, 1)
+v1 = truediv(k, v0)
+v2 = .clamp(v1, -448, 448)
+v3 = .to(v2, torch.float8_e4m3fn)
+v4 = floordiv(slots, 16)
+v5 = mod(slots, 16)
+v6 = setitem(kc, (v4, v5), v3)
+v7 = .view(vs, -1, 1)
+v8 = truediv(v, v7)
+v9 = .clamp(v8, -448, 448)
+v10 = .to(v9, torch.float8_e4m3fn)
+v11 = floordiv(slots, 16)
+v12 = mod(slots, 16)
+v13 = setitem(vc, (v11, v12), v10)
+return ()""",
+        )
         self.assertExpectedInline(
             cap.after,
             """\
