@@ -6,6 +6,7 @@ question at compile time that the eager wrapper asks at run time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -34,12 +35,18 @@ def validate_mode() -> bool:
     return os.environ.get("TORCH_SM70ATTN_VALIDATE", "0") not in ("", "0")
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _device_refusal(query) -> str | None:
     if disabled():
         return "TORCH_SM70ATTN_DISABLE=1"
     if query.device.type != "cuda":
         return f"device is {query.device.type}, the fused kernels are CUDA-only"
-    cc = torch.cuda.get_device_capability(query.device)
+    index = query.device.index
+    cc = _capability(torch.cuda.current_device() if index is None else index)
     if cc < MANIFEST.min_compute_capability:
         return f"compute capability sm_{cc[0]}{cc[1]} < sm_70"
     return None
