@@ -7,9 +7,8 @@ the page gather of a float8_e4m3fn cache, following only steps whose meaning it 
     cache.index_select(0, bt.view(-1))       the page gather on a page view
     .flatten / .view / .reshape              regrouping of dims (never splitting a page)
     .transpose / .permute / .contiguous      layout
-    x[:, :, :T]                              a slice to the full static length (a no-op);
-                                             a shorter one changes which positions a row
-                                             sees, so it is refused
+    x[:, :, :L]                              a slice to the full static length (a no-op), or
+                                             to L positions for decode (Q = 1) without a mask
     .to(float16) / .half() / .float()        the dequantizing conversion (fp8 -> fp16)
     * k_scale                                float, 0-d / [1] / per-KV-head tensor or buffer
     .repeat_interleave(G, dim=heads)         GQA expansion as written in plain PyTorch
@@ -21,7 +20,9 @@ It tracks every dim of the tensor as a tuple of "atoms" of the cache: B (request
 D (head dim). Atoms of size 1 carry no information and are dropped, so B=1 or H_kv=1
 graphs need no special case. K must arrive at SDPA as [B, (H, G), (PG, OFF), D] in FP16:
 then position t = pg * page_size + off and query head h = kv * G + g, exactly the op's
-semantics. The mask must be sm70attn.verifier_mask(seq_lens, Q, capacity).
+semantics. The mask must be sm70attn.verifier_mask(seq_lens, Q, capacity); or, for decode
+(Q = 1), absent: every position kept (all, or the first L after a static slice such as one
+request's exact length) is visible, which is the op with seq_lens = L.
 
 Whatever cannot be proven leaves the graph unchanged; the reason is logged at DEBUG on
 logger "torch_sm70attn" and counted in torch._dynamo.utils.counters["sm70attn"].
@@ -71,27 +72,40 @@ class Layout:
     nodes: list[fx.Node] = field(default_factory=list)  # the chain, gather first
     cache: fx.Node | None = None
     bt: fx.Node | None = None  # the block table (int32 as the user holds it)
+    length: int | None = None  # K/V cut to their first `length` positions (x[:, :, :L])
 
     def atoms(self, dims):
         return tuple(a for a in dims if self.sizes[a] > 1)
 
     def shape(self):
-        return [math.prod(self.sizes[a] for a in d) for d in self.dims]
+        t = self.atoms(("PG", "OFF"))
+        return [
+            self.length
+            if self.length is not None and d == t
+            else math.prod(self.sizes[a] for a in d)
+            for d in self.dims
+        ]
 
 
 def _regroup(lay: Layout, new_shape) -> list[tuple[str, ...]]:
-    """Dims of a view/reshape: the same atom sequence cut at the new boundaries."""
-    seq = [a for d in lay.dims for a in d]
+    """Dims of a view/reshape: the same atom sequence cut at the new boundaries. K/V cut to
+    a length keep their position dim whole (a pseudo-atom "T" of that length)."""
+    t = lay.atoms(("PG", "OFF"))
+    cut = lay.length is not None
+    sizes = dict(lay.sizes, T=lay.length) if cut else lay.sizes
+    seq = [a for d in lay.dims for a in (("T",) if cut and d == t else d)]
     out, i = [], 0
     for s in new_shape:
         grp, prod = [], 1
         while prod < s and i < len(seq):
             grp.append(seq[i])
-            prod *= lay.sizes[seq[i]]
+            prod *= sizes[seq[i]]
             i += 1
         if prod != s:
             raise Refused(f"reshape to {list(new_shape)} splits a tracked dim")
-        out.append(tuple(grp))
+        if cut and "T" in grp and grp != ["T"]:
+            raise Refused("reshape merges the cut position dim with another")
+        out.append(t if grp == ["T"] else tuple(grp))
     if i != len(seq):
         raise Refused(f"reshape to {list(new_shape)} drops dims")
     return out
@@ -240,6 +254,18 @@ def _index_step(lay: Layout, node: fx.Node) -> None:
         ):
             dims.append(lay.dims[i])  # a slice to the full (static) length is a no-op
             i += 1
+        elif (
+            isinstance(ix, slice)
+            and ix.start in (None, 0)
+            and ix.step in (None, 1)
+            and isinstance(ix.stop, int)
+            and 0 < ix.stop < shape[i]
+            and lay.dims[i] == lay.atoms(("PG", "OFF"))
+            and lay.length is None
+        ):
+            lay.length = ix.stop  # the first `stop` positions: valid only without a mask, Q = 1
+            dims.append(lay.dims[i])
+            i += 1
         else:
             raise Refused(f"indexing K/V with {ix!r} (only None and full slices are tracked)")
     lay.dims = dims + lay.dims[i:]
@@ -332,12 +358,27 @@ def _check_kv(lay: Layout, H_q: int, gqa: bool, what: str) -> None:
         raise Refused(f"{what}: {H} KV heads x group {G} != {H_q} query heads")
 
 
-def _mask_seq_lens(mask, B: int, Q: int, T: int):
+def _seq_lens(graph, mask, k: Layout, v: Layout, B: int, Q: int, T: int, device):
+    """The op's seq_lens: the verifier mask's, or for decode without a mask (every key visible,
+    also with K/V cut to a static length, e.g. one request's exact length) a constant."""
+    if mask is None:
+        if Q != 1:
+            raise Refused(f"no attn_mask with Q = {Q} > 1 (rows would see the same keys)")
+        if k.length != v.length:
+            raise Refused("K and V cut to different lengths")
+        full = graph.call_function(
+            torch.full, ((B,), k.length or T), {"dtype": torch.int32, "device": device}
+        )
+        return fake(full)
+    if k.length is not None or v.length is not None:
+        raise Refused("K/V cut to a length shorter than the table, with a mask")
     if not isinstance(mask, fx.Node) or mask.target is not VERIFIER_MASK:
         raise Refused("attn_mask is not sm70attn.verifier_mask(...)")
     seq_lens, q_rows, kv_len = mask.args
     if (q_rows, kv_len) != (Q, T):
         raise Refused(f"verifier_mask(q_rows={q_rows}, kv_len={kv_len}) != (Q={Q}, T={T})")
+    if meta(seq_lens).dtype != torch.int32:
+        raise Refused("seq_lens is not int32")
     return seq_lens
 
 
@@ -366,9 +407,8 @@ def rewrite_sdpa(graph: fx.Graph, sdpa: fx.Node) -> None:
     if k.sizes["B"] != B or k.sizes["D"] != D:
         raise Refused("query and cache disagree on batch or head dim")
     T = k.sizes["PG"] * k.sizes["OFF"]
-    seq_lens = _mask_seq_lens(mask, B, Q, T)
-    if meta(seq_lens).dtype != torch.int32 or meta(k.bt).dtype != torch.int32:
-        raise Refused("seq_lens / block_table are not int32")
+    if meta(k.bt).dtype != torch.int32:
+        raise Refused("block_table is not int32")
     if q.stride(-1) != 1:
         raise Refused("query last dim is not contiguous")
     if routes.disabled():
@@ -382,6 +422,7 @@ def rewrite_sdpa(graph: fx.Graph, sdpa: fx.Node) -> None:
         raise Refused("SDPA scale is not a Python number")
 
     with graph.inserting_before(sdpa):
+        seq_lens = _seq_lens(graph, mask, k, v, B, Q, T, q.device)
         ks = scale_node(graph, k.scale, q.device)
         vs = scale_node(graph, v.scale, q.device)
         fused = graph.call_function(

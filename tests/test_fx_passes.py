@@ -139,6 +139,14 @@ def reshape_first(q, kc, vc, bt, sl, ks, vs):
 
 # The "before" graphs are Dynamo's output: pinned to the torch that CI installs (2.13.0);
 # regenerate with EXPECTTEST_ACCEPT=1 when that pin moves. The "after" graphs are the pass's.
+def decode_exact_length(q, kc, vc, bt, sl, ks, vs):
+    """Decode of one request without a mask: K/V cut to its exact (static) length."""
+    L = 37  # tokens of this request; the table holds 3 pages of 16
+    k = (kc[bt].flatten(1, 2).half() * ks).transpose(1, 2)[:, :, :L]
+    v = (vc[bt].flatten(1, 2).half() * vs).transpose(1, 2)[:, :, :L]
+    return F.scaled_dot_product_attention(q, repeat_kv(k, G), repeat_kv(v, G))
+
+
 class Attn(expecttest.TestCase):
     def run_fn(self, fn, args):
         """Compile with the rewrite; one rewrite, compiled equals eager; the captured graphs."""
@@ -288,6 +296,44 @@ v2 = sm70attn.paged_attention(q, kc, vc, bt, sl, 0.1, v0, v1)
 return (v2,)""",
         )
 
+    def test_decode_without_mask_exact_length(self):
+        cap = self.run_fn(decode_exact_length, problem(B=1, Q=1, seed=6))
+        self.assertExpectedInline(
+            cap.before,
+            """\
+v0 = getitem(kc, bt)
+v1 = .flatten(v0, 1, 2)
+v2 = .half(v1)
+v3 = mul(v2, ks)
+v4 = .transpose(v3, 1, 2)
+v5 = getitem(v4, (slice(None, None, None), slice(None, None, None), slice(None, 37, None)))
+v6 = getitem(vc, bt)
+v7 = .flatten(v6, 1, 2)
+v8 = .half(v7)
+v9 = mul(v8, vs)
+v10 = .transpose(v9, 1, 2)
+v11 = getitem(v10, (slice(None, None, None), slice(None, None, None), slice(None, 37, None)))
+v12 = getitem(v5, (slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None)))
+v13 = .expand(v12, 1, 2, 6, 37, 64)
+v14 = .reshape(v13, 1, 12, 37, 64)
+v15 = getitem(v11, (slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None)))
+v16 = .expand(v15, 1, 2, 6, 37, 64)
+v17 = .reshape(v16, 1, 12, 37, 64)
+v18 = sdpa(q, v14, v17)
+return (v18,)""",
+        )
+        self.assertExpectedInline(
+            cap.after,
+            """\
+v0 = full((1,), 37, dtype=torch.int32, device=device(type=cpu))
+v1 = .reshape(ks, (-1,))
+v2 = .to(v1, device=device(type=cpu), dtype=torch.float32)
+v3 = .reshape(vs, (-1,))
+v4 = .to(v3, device=device(type=cpu), dtype=torch.float32)
+v5 = sm70attn.paged_attention(q, kc, vc, bt, v0, 0.125, v2, v4)
+return (v5,)""",
+        )
+
     def test_batch_one_one_kv_head(self):
         # Size-1 dims (B = 1, H_kv = 1) are dropped from the tracking: same rewrite.
         cap, out, ctr = compile_and_run(hf, *problem(B=1, H=1, seed=4))
@@ -362,6 +408,11 @@ def different_tables(q, kc, vc, bt, sl, ks, vs):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def verify_without_mask(q, kc, vc, bt, sl, ks, vs):
+    # Q = 4 rows with no mask all see the same keys: not the op's verifier semantics.
+    return decode_exact_length(q, kc, vc, bt, sl, ks, vs)
+
+
 def per_query_head_scale(q, kc, vc, bt, sl, ks, vs):
     qs = torch.linspace(0.05, 0.1, q.shape[1]).view(1, -1, 1, 1)
     k = (kc[bt].flatten(1, 2).half().transpose(1, 2).repeat_interleave(G, dim=1) * qs).half()
@@ -382,6 +433,7 @@ def per_query_head_scale(q, kc, vc, bt, sl, ks, vs):
         (dropout, "dropout_p"),
         (different_tables, "different block tables"),
         (per_query_head_scale, "does not vary along the KV heads alone"),
+        (verify_without_mask, "no attn_mask with Q = 4 > 1"),
     ],
 )
 def test_negative_twins(fn, reason, caplog):
