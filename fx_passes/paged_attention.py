@@ -20,7 +20,8 @@ It tracks every dim of the tensor as a tuple of "atoms" of the cache: B (request
 D (head dim). Atoms of size 1 carry no information and are dropped, so B=1 or H_kv=1
 graphs need no special case. K must arrive at SDPA as [B, (H, G), (PG, OFF), D] in FP16:
 then position t = pg * page_size + off and query head h = kv * G + g, exactly the op's
-semantics. The mask must be sm70attn.verifier_mask(seq_lens, Q, capacity); or, for decode
+semantics. The mask must be sm70attn.verifier_mask(seq_lens, Q, capacity), or the same mask
+written out with arange comparisons (fx_passes/mask.py proves it); or, for decode
 (Q = 1), absent: every position kept (all, or the first L after a static slice such as one
 request's exact length) is visible, which is the op with seq_lens = L.
 
@@ -52,6 +53,7 @@ from .common import (
     static,
     target_name,
 )
+from .mask import seq_lens_of_mask
 
 log = logging.getLogger("torch_sm70attn")
 SDPA = (
@@ -372,11 +374,19 @@ def _seq_lens(graph, mask, k: Layout, v: Layout, B: int, Q: int, T: int, device)
         return fake(full)
     if k.length is not None or v.length is not None:
         raise Refused("K/V cut to a length shorter than the table, with a mask")
-    if not isinstance(mask, fx.Node) or mask.target is not VERIFIER_MASK:
+    if not isinstance(mask, fx.Node):
         raise Refused("attn_mask is not sm70attn.verifier_mask(...)")
-    seq_lens, q_rows, kv_len = mask.args
-    if (q_rows, kv_len) != (Q, T):
-        raise Refused(f"verifier_mask(q_rows={q_rows}, kv_len={kv_len}) != (Q={Q}, T={T})")
+    if mask.target is VERIFIER_MASK:
+        seq_lens, q_rows, kv_len = mask.args
+        if (q_rows, kv_len) != (Q, T):
+            raise Refused(f"verifier_mask(q_rows={q_rows}, kv_len={kv_len}) != (Q={Q}, T={T})")
+    else:  # the same mask written out with arange comparisons
+        try:
+            seq_lens = seq_lens_of_mask(mask, B, Q, T)
+        except Refused as e:
+            raise Refused(
+                f"attn_mask is not sm70attn.verifier_mask(...) nor its arange form: {e}"
+            ) from None
     if meta(seq_lens).dtype != torch.int32:
         raise Refused("seq_lens is not int32")
     return seq_lens

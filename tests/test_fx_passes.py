@@ -139,6 +139,17 @@ def reshape_first(q, kc, vc, bt, sl, ks, vs):
 
 # The "before" graphs are Dynamo's output: pinned to the torch that CI installs (2.13.0);
 # regenerate with EXPECTTEST_ACCEPT=1 when that pin moves. The "after" graphs are the pass's.
+def arange_mask(q, kc, vc, bt, sl, ks, vs):
+    """The verifier mask written out with arange comparisons instead of verifier_mask."""
+    Q = q.shape[2]
+    k = (kc[bt].flatten(1, 2).half() * ks).transpose(1, 2).repeat_interleave(G, dim=1)
+    v = (vc[bt].flatten(1, 2).half() * vs).transpose(1, 2).repeat_interleave(G, dim=1)
+    t = torch.arange(k.shape[2])
+    last = sl[:, None] - Q + torch.arange(Q)
+    mask = (t[None, None, :] <= last[:, :, None])[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def decode_exact_length(q, kc, vc, bt, sl, ks, vs):
     """Decode of one request without a mask: K/V cut to its exact (static) length."""
     L = 37  # tokens of this request; the table holds 3 pages of 16
@@ -334,6 +345,46 @@ v5 = sm70attn.paged_attention(q, kc, vc, bt, v0, 0.125, v2, v4)
 return (v5,)""",
         )
 
+    def test_arange_mask(self):
+        cap = self.run_fn(arange_mask, problem(seed=7))
+        self.assertExpectedInline(
+            cap.before,
+            """\
+v0 = getitem(kc, bt)
+v1 = .flatten(v0, 1, 2)
+v2 = .half(v1)
+v3 = mul(v2, ks)
+v4 = .transpose(v3, 1, 2)
+v5 = .repeat_interleave(v4, 6, dim=1)
+v6 = getitem(vc, bt)
+v7 = .flatten(v6, 1, 2)
+v8 = .half(v7)
+v9 = mul(v8, vs)
+v10 = .transpose(v9, 1, 2)
+v11 = .repeat_interleave(v10, 6, dim=1)
+v12 = arange(48)
+v13 = getitem(sl, (slice(None, None, None), None))
+v14 = sub(v13, 4)
+v15 = arange(4)
+v16 = add(v14, v15)
+v17 = getitem(v12, (None, None, slice(None, None, None)))
+v18 = getitem(v16, (slice(None, None, None), slice(None, None, None), None))
+v19 = le(v17, v18)
+v20 = getitem(v19, (slice(None, None, None), None))
+v21 = sdpa(q, v5, v11, attn_mask=v20)
+return (v21,)""",
+        )
+        self.assertExpectedInline(
+            cap.after,
+            """\
+v0 = .reshape(ks, (-1,))
+v1 = .to(v0, device=device(type=cpu), dtype=torch.float32)
+v2 = .reshape(vs, (-1,))
+v3 = .to(v2, device=device(type=cpu), dtype=torch.float32)
+v4 = sm70attn.paged_attention(q, kc, vc, bt, sl, 0.125, v1, v3)
+return (v4,)""",
+        )
+
     def test_batch_one_one_kv_head(self):
         # Size-1 dims (B = 1, H_kv = 1) are dropped from the tracking: same rewrite.
         cap, out, ctr = compile_and_run(hf, *problem(B=1, H=1, seed=4))
@@ -408,6 +459,17 @@ def different_tables(q, kc, vc, bt, sl, ks, vs):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def arange_mask_off_by_one(q, kc, vc, bt, sl, ks, vs):
+    # t < last instead of t <= last: each row sees one key fewer than the op would.
+    Q = q.shape[2]
+    k = (kc[bt].flatten(1, 2).half() * ks).transpose(1, 2).repeat_interleave(G, dim=1)
+    v = (vc[bt].flatten(1, 2).half() * vs).transpose(1, 2).repeat_interleave(G, dim=1)
+    t = torch.arange(k.shape[2])
+    last = sl[:, None] - Q + torch.arange(Q)
+    mask = (t[None, None, :] < last[:, :, None])[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def verify_without_mask(q, kc, vc, bt, sl, ks, vs):
     # Q = 4 rows with no mask all see the same keys: not the op's verifier semantics.
     return decode_exact_length(q, kc, vc, bt, sl, ks, vs)
@@ -434,6 +496,7 @@ def per_query_head_scale(q, kc, vc, bt, sl, ks, vs):
         (different_tables, "different block tables"),
         (per_query_head_scale, "does not vary along the KV heads alone"),
         (verify_without_mask, "no attn_mask with Q = 4 > 1"),
+        (arange_mask_off_by_one, "arange mask is not t <= seq_len - Q + r"),
     ],
 )
 def test_negative_twins(fn, reason, caplog):

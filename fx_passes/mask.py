@@ -1,0 +1,140 @@
+"""Recognise the verifier mask written out with arange comparisons, e.g.
+
+    t = torch.arange(T)
+    last = seq_lens[:, None] - Q + torch.arange(Q)
+    mask = (t[None, None, :] <= last[:, :, None])[:, None]          # [B, 1, Q, T]
+
+Each tensor is tracked as an integer affine form over seq_lens[b] ("S") and arange indices,
+with the axis each term varies along; a comparison normalises to f >= 0. The mask is
+sm70attn.verifier_mask(seq_lens, Q, T) exactly when f = S - Q + r - t over the axes
+[b, 1, r, t], with r an arange of Q and t an arange of T.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .common import Refused, meta, target_name
+
+
+@dataclass
+class Form:
+    coef: dict  # symbol -> integer coefficient ("S", or an arange node's name)
+    const: int
+    axes: list  # per dim: the symbol the dim indexes, or None (size 1)
+    seq_lens: fx.Node | None = None
+    cond: bool = False  # a comparison: the mask is f >= 0
+
+
+ADD = (operator.add, torch.add, "add")
+SUB = (operator.sub, torch.sub, "sub")
+CMP = {"le": 0, "lt": -1, "ge": 0, "gt": -1}  # f >= 0 with f = hi - lo + offset
+
+
+def _op(node, names) -> bool:
+    return node.target in names or target_name(node) in names
+
+
+def _form(node) -> Form:
+    if isinstance(node, int):
+        return Form({}, node, [])
+    if not isinstance(node, fx.Node):
+        raise Refused(f"mask built from {node!r}")
+    name = target_name(node)
+    if node.op == "call_function" and node.target is torch.arange:
+        args = [a for a in node.args if not isinstance(a, torch.dtype)]
+        if len(args) == 2 and args[0] == 0:
+            args = args[1:]
+        if len(args) != 1 or not isinstance(args[0], int):
+            raise Refused("mask arange is not arange(n)")
+        return Form({node.name: 1}, 0, [node.name])
+    if name in ("long", "int", "to") and node.op == "call_method":
+        f = _form(node.args[0])
+        if meta(node).is_floating_point():
+            raise Refused("mask arithmetic in floating point")
+        return f
+    if _op(node, ADD) or _op(node, SUB):
+        a, b = _form(node.args[0]), _form(node.args[1])
+        sign = -1 if _op(node, SUB) else 1
+        return _combine(a, b, sign)
+    if name in CMP:
+        lo, hi = (node.args[0], node.args[1]) if name in ("le", "lt") else node.args[1::-1]
+        f = _combine(_form(hi), _form(lo), -1)
+        f.const += CMP[name]
+        f.cond = True
+        return f
+    if name == "getitem" and node.op == "call_function":
+        f = _form(node.args[0])
+        idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        axes, i = [], 0
+        for ix in idx:
+            if ix is None:
+                axes.append(None)
+            elif ix == slice(None):
+                axes.append(f.axes[i])
+                i += 1
+            else:
+                raise Refused(f"mask indexed with {ix!r}")
+        f.axes = axes + f.axes[i:]
+        return f
+    if name == "unsqueeze":
+        f = _form(node.args[0])
+        d = node.args[1]
+        f.axes.insert(d if d >= 0 else d + len(f.axes) + 1, None)
+        return f
+    v = meta(node)
+    if (
+        isinstance(v, torch.Tensor)
+        and v.dim() == 1
+        and v.dtype == torch.int32
+        and node.op == "placeholder"
+    ):
+        return Form({"S": 1}, 0, ["b"], seq_lens=node)
+    raise Refused(f"mask built with {node.name} ({name})")
+
+
+def _combine(a: Form, b: Form, sign: int) -> Form:
+    n = max(len(a.axes), len(b.axes))
+    pa, pb = [None] * (n - len(a.axes)) + a.axes, [None] * (n - len(b.axes)) + b.axes
+    axes = []
+    for x, y in zip(pa, pb, strict=True):
+        if x is not None and y is not None and x != y:
+            raise Refused("mask terms broadcast along different axes")
+        axes.append(x if x is not None else y)
+    if a.cond or b.cond:
+        raise Refused("arithmetic on a comparison")
+    coef = dict(a.coef)
+    for k, c in b.coef.items():
+        coef[k] = coef.get(k, 0) + sign * c
+    coef = {k: c for k, c in coef.items() if c}
+    if a.seq_lens is not None and b.seq_lens is not None and a.seq_lens is not b.seq_lens:
+        raise Refused("mask uses two seq_lens tensors")
+    return Form(coef, a.const + sign * b.const, axes, a.seq_lens or b.seq_lens)
+
+
+def seq_lens_of_mask(mask: fx.Node, B: int, Q: int, T: int) -> fx.Node:
+    """seq_lens if `mask` is the verifier mask written out with arange comparisons."""
+    f = _form(mask)
+    if not f.cond:
+        raise Refused("attn_mask is neither sm70attn.verifier_mask nor an arange comparison")
+    if list(meta(mask).shape) != [B, 1, Q, T] or len(f.axes) != 4:
+        raise Refused(f"arange mask has shape {list(meta(mask).shape)}, not [B, 1, Q, T]")
+    b, one, r, t = f.axes
+    sizes = {n.name: n.args[-1] for n in mask.graph.nodes if n.target is torch.arange}
+    want = {k: v for k, v in {"S": 1, r: 1, t: -1}.items() if k is not None}
+    ok = (
+        b in ("b", None)
+        and one is None
+        and (sizes.get(r) == Q if r is not None else Q == 1)
+        and sizes.get(t) == T
+        and f.coef == want
+        and f.const == -Q
+        and f.seq_lens is not None
+    )
+    if not ok:
+        raise Refused("arange mask is not t <= seq_len - Q + r")
+    return f.seq_lens
