@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -90,3 +92,78 @@ def erase_dead(graph: fx.Graph, roots) -> None:
         inputs = n.all_input_nodes
         graph.erase_node(n)
         work.extend(inputs)
+
+
+# --- aliasing and mutation (pre-grad graphs are not functional) ------------------------------
+VIEWS = {
+    "view",
+    "reshape",
+    "flatten",
+    "unflatten",
+    "_unsafe_view",
+    "transpose",
+    "swapaxes",
+    "t",
+    "permute",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "expand_as",
+    "getitem",
+    "select",
+    "narrow",
+    "as_strided",
+    "contiguous",
+    "view_as",
+    "alias",
+    "detach",
+    "split",
+    "chunk",
+    "unbind",
+}
+
+
+def root(node):
+    """The tensor a (possible) view was taken from: follows view-like ops to their source."""
+    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method"):
+        if target_name(node) not in VIEWS or not node.args:
+            break
+        node = node.args[0]
+    return node
+
+
+def mutated_roots(node: fx.Node) -> list | None:
+    """Roots of what `node` writes; [] if it writes nothing; None if it may write anything."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    t = node.target
+    if t is operator.setitem:
+        return [root(node.args[0])]
+    if isinstance(t, torch._ops.OpOverload):
+        out = []
+        for a, v in zip(t._schema.arguments, node.args, strict=False):
+            if a.alias_info is not None and a.alias_info.is_write:
+                out.append(root(v))
+        for a in t._schema.arguments:
+            if a.alias_info is not None and a.alias_info.is_write and a.name in node.kwargs:
+                out.append(root(node.kwargs[a.name]))
+        return out
+    name = target_name(node)
+    if name.endswith("_") and not name.startswith("_") and node.args:
+        return [root(node.args[0])]  # in-place method (add_, copy_, index_put_, ...)
+    if node.kwargs.get("out") is not None:
+        return None
+    return []
+
+
+def writes_between(start: fx.Node, end: fx.Node, tensors) -> str | None:
+    """Why a node strictly between `start` and `end` may write one of `tensors` (or their
+    views), or None. A rewrite that moves reads of them to `end` is sound only without."""
+    roots = {root(x) for x in tensors if isinstance(x, fx.Node)}
+    n = start.next
+    while n is not end and n.op != "root":
+        hit = mutated_roots(n)
+        if hit is None or roots.intersection(hit):
+            return f"{n.name} may write {sorted(r.name for r in roots)} before it is read"
+        n = n.next
+    return None

@@ -53,15 +53,18 @@ def _form(node) -> Form:
             raise Refused("mask arange is not arange(n)")
         return Form({node.name: 1}, 0, [node.name])
     if name in ("long", "int", "to") and node.op == "call_method":
-        f = _form(node.args[0])
-        if meta(node).is_floating_point():
-            raise Refused("mask arithmetic in floating point")
-        return f
+        if meta(node).dtype not in (torch.int32, torch.int64):
+            raise Refused(f"mask converted to {meta(node).dtype} (floating point or narrowing)")
+        return _form(node.args[0])
     if _op(node, ADD) or _op(node, SUB):
+        if node.kwargs or len(node.args) != 2:
+            raise Refused(f"{node.name}: add/sub with extra arguments (alpha=...)")
         a, b = _form(node.args[0]), _form(node.args[1])
         sign = -1 if _op(node, SUB) else 1
         return _combine(a, b, sign)
     if name in CMP:
+        if node.kwargs or len(node.args) != 2:
+            raise Refused(f"{node.name}: comparison with keyword arguments")
         lo, hi = (node.args[0], node.args[1]) if name in ("le", "lt") else node.args[1::-1]
         f = _combine(_form(hi), _form(lo), -1)
         f.const += CMP[name]
@@ -129,6 +132,7 @@ def seq_lens_of_mask(mask: fx.Node, B: int, Q: int, T: int) -> fx.Node:
     ok = (
         b in ("b", None)
         and one is None
+        and r != t
         and (sizes.get(r) == Q if r is not None else Q == 1)
         and sizes.get(t) == T
         and f.coef == want

@@ -52,6 +52,7 @@ from .common import (
     shape,
     static,
     target_name,
+    writes_between,
 )
 from .mask import seq_lens_of_mask
 
@@ -75,6 +76,8 @@ class Layout:
     cache: fx.Node | None = None
     bt: fx.Node | None = None  # the block table (int32 as the user holds it)
     length: int | None = None  # K/V cut to their first `length` positions (x[:, :, :L])
+    gather: fx.Node | None = None  # where eager reads the cache and the table
+    scaled_at: fx.Node | None = None  # where eager reads a scale tensor
 
     def atoms(self, dims):
         return tuple(a for a in dims if self.sizes[a] > 1)
@@ -171,7 +174,7 @@ def _start(gather: fx.Node) -> Layout:
         raise Refused("block table is not an integer tensor")
     _, ps, H, D = shape(cache)
     sizes = {"B": B, "PG": MP, "OFF": ps, "H": H, "D": D, "G": 1}
-    lay = Layout([], sizes, FP8, nodes=[*dead, gather], cache=cache, bt=bt)
+    lay = Layout([], sizes, FP8, nodes=[*dead, gather], cache=cache, bt=bt, gather=gather)
     dims = [("B", "PG")] if merged else [("B",), ("PG",)]
     lay.dims = [lay.atoms(d) for d in dims + [("OFF",), ("H",), ("D",)]]
     return lay
@@ -183,6 +186,8 @@ def _step(lay: Layout, node: fx.Node) -> None:
     out = meta(node)
     n = len(lay.dims)
     if name in ("view", "reshape", "flatten", "_unsafe_view", "unflatten"):
+        if out.dtype != lay.dtype:
+            raise Refused(f"{node.name} reinterprets K/V as {out.dtype}")
         lay.dims = [lay.atoms(d) for d in _regroup(lay, shape(node))]
     elif name in ("transpose", "swapaxes"):
         a, b = _dim(arg(node, 1, "dim0"), n), _dim(arg(node, 2, "dim1"), n)
@@ -282,6 +287,7 @@ def _scale_step(lay: Layout, node: fx.Node) -> None:
     if isinstance(s, (int, float)):
         lay.scale = float(s)
         return
+    lay.scaled_at = node
     sm = meta(s)
     if not isinstance(sm, torch.Tensor) or not sm.is_floating_point():
         raise Refused("K/V multiplied by something other than a float scale")
@@ -360,7 +366,7 @@ def _check_kv(lay: Layout, H_q: int, gqa: bool, what: str) -> None:
         raise Refused(f"{what}: {H} KV heads x group {G} != {H_q} query heads")
 
 
-def _seq_lens(graph, mask, k: Layout, v: Layout, B: int, Q: int, T: int, device):
+def _seq_lens(graph, sdpa, mask, k: Layout, v: Layout, B: int, Q: int, T: int, device):
     """The op's seq_lens: the verifier mask's, or for decode without a mask (every key visible,
     also with K/V cut to a static length, e.g. one request's exact length) a constant."""
     if mask is None:
@@ -377,7 +383,9 @@ def _seq_lens(graph, mask, k: Layout, v: Layout, B: int, Q: int, T: int, device)
     if not isinstance(mask, fx.Node):
         raise Refused("attn_mask is not sm70attn.verifier_mask(...)")
     if mask.target is VERIFIER_MASK:
-        seq_lens, q_rows, kv_len = mask.args
+        seq_lens, q_rows, kv_len = (
+            arg(mask, i, n) for i, n in enumerate(("seq_lens", "q_rows", "kv_len"))
+        )
         if (q_rows, kv_len) != (Q, T):
             raise Refused(f"verifier_mask(q_rows={q_rows}, kv_len={kv_len}) != (Q={Q}, T={T})")
     else:  # the same mask written out with arange comparisons
@@ -389,11 +397,18 @@ def _seq_lens(graph, mask, k: Layout, v: Layout, B: int, Q: int, T: int, device)
             ) from None
     if meta(seq_lens).dtype != torch.int32:
         raise Refused("seq_lens is not int32")
+    # eager read seq_lens where the mask was built (the arange form: from the graph's start)
+    start = mask if mask.target is VERIFIER_MASK else graph._root
+    why = writes_between(start, sdpa, [seq_lens])
+    if why:
+        raise Refused(why)
     return seq_lens
 
 
 def rewrite_sdpa(graph: fx.Graph, sdpa: fx.Node) -> None:
-    q_node, k_node, v_node = sdpa.args[:3]
+    q_node, k_node, v_node = (arg(sdpa, i, n) for i, n in enumerate(("query", "key", "value")))
+    if not all(isinstance(x, fx.Node) for x in (q_node, k_node, v_node)):
+        raise Refused("SDPA query/key/value are not graph tensors")
     mask = arg(sdpa, 3, "attn_mask")
     if arg(sdpa, 4, "dropout_p", 0.0) != 0.0:
         raise Refused("dropout_p != 0")
@@ -430,9 +445,17 @@ def rewrite_sdpa(graph: fx.Graph, sdpa: fx.Node) -> None:
         scale = D**-0.5
     if not isinstance(scale, (int, float)):
         raise Refused("SDPA scale is not a Python number")
+    # The op reads everything at the SDPA; eager read the cache and table at the gather, a
+    # scale at its multiply, seq_lens where the mask was built: nothing may write them between.
+    for lay in (k, v):
+        why = writes_between(lay.gather, sdpa, [lay.cache, lay.bt])
+        if why is None and lay.scaled_at is not None:
+            why = writes_between(lay.scaled_at, sdpa, [lay.scale])
+        if why:
+            raise Refused(why)
 
     with graph.inserting_before(sdpa):
-        seq_lens = _seq_lens(graph, mask, k, v, B, Q, T, q.device)
+        seq_lens = _seq_lens(graph, sdpa, mask, k, v, B, Q, T, q.device)
         ks = scale_node(graph, k.scale, q.device)
         vs = scale_node(graph, v.scale, q.device)
         fused = graph.call_function(
@@ -452,9 +475,10 @@ def rewrite_graph(graph: fx.Graph) -> int:
             continue
         try:
             rewrite_sdpa(graph, node)
-        except Refused as e:
+        except Exception as e:  # noqa: BLE001 - a refusal, or a form the pass did not foresee
             counters["sm70attn"]["sdpa_refused"] += 1
-            log.debug("sm70attn: SDPA %s left unchanged: %s", node.name, e)
+            why = str(e) if isinstance(e, Refused) else f"unforeseen form ({e!r})"
+            log.debug("sm70attn: SDPA %s left unchanged: %s", node.name, why)
             continue
         counters["sm70attn"]["paged_attention_rewrite"] += 1
         log.debug("sm70attn: SDPA %s -> sm70attn.paged_attention", node.name)

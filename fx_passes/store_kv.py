@@ -26,7 +26,19 @@ import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
-from .common import FP8, Refused, arg, erase_dead, fake, meta, scale_node, shape, target_name
+from .common import (
+    FP8,
+    Refused,
+    arg,
+    erase_dead,
+    fake,
+    meta,
+    root,
+    scale_node,
+    shape,
+    target_name,
+    writes_between,
+)
 
 log = logging.getLogger("torch_sm70attn")
 FP8_MAX = 448.0
@@ -67,7 +79,10 @@ class Write:
             c = meta(cache)
             if c.dim() != 4 or shape(dest) != [c.shape[0] * c.shape[1], c.shape[2], c.shape[3]]:
                 raise Refused("slot view is not cache.view(-1, H_kv, D)")
-            return cache, index
+            if target_name(dest) != "view" and not c.is_contiguous():
+                # reshape/flatten of a strided cache copies: eager's write would be lost
+                raise Refused("slot write into reshape/flatten of a non-contiguous cache")
+            return cache, self._slots(index)
         if isinstance(index, (tuple, list)) and len(index) == 2:  # cache[s // ps, s % ps]
             page, off = index
             c = meta(dest)
@@ -79,8 +94,19 @@ class Write:
                 raise Refused("page/offset index is not (slots // page_size, slots % page_size)")
             if page.args[0] is not off.args[0] or page.args[1] != ps or off.args[1] != ps:
                 raise Refused("page/offset index does not use the cache's page size")
-            return dest, page.args[0]
+            return dest, self._slots(page.args[0])
         raise Refused("cache write index is not a slot mapping")
+
+    @staticmethod
+    def _slots(index):
+        m = meta(index)
+        if (
+            not isinstance(m, torch.Tensor)
+            or m.dim() != 1
+            or m.dtype not in (torch.int32, torch.int64)
+        ):
+            raise Refused("cache write index is not a 1-D integer slot mapping")
+        return index
 
     def _quantized(self, value):
         """x and scale of (x [.float()] / scale).clamp(-448, 448).to(float8_e4m3fn)."""
@@ -108,6 +134,11 @@ class Write:
         xm = meta(x)
         if xm.dtype != torch.float16 or xm.dim() != 3:
             raise Refused(f"written tokens are {xm.dtype} {tuple(xm.shape)}, not float16 [T, H, D]")
+        cm = meta(self.cache)
+        if list(xm.shape[1:]) != list(cm.shape[2:]) or meta(self.slots).shape[0] != xm.shape[0]:
+            raise Refused(
+                f"tokens {tuple(xm.shape)} do not match the cache's [H_kv, D] and slots (broadcast write)"
+            )
         if isinstance(scale, fx.Node):
             sm = meta(scale)
             s = [int(d) for d in sm.shape]
@@ -126,7 +157,9 @@ def _binop(node, names) -> bool:
 
 
 def _touches(node: fx.Node, caches) -> bool:
-    return any(a in caches for a in node.all_input_nodes)
+    """Reads or writes a cache, also through a view made earlier."""
+    roots = {root(c) for c in caches}
+    return any(root(a) in roots for a in node.all_input_nodes)
 
 
 def rewrite_graph(graph: fx.Graph) -> int:
@@ -139,7 +172,7 @@ def rewrite_graph(graph: fx.Graph) -> int:
         ):
             try:
                 writes.append(Write(node))
-            except Refused as e:
+            except Exception as e:  # noqa: BLE001 - a refusal, or a form the pass did not foresee
                 if getattr(meta(node.args[0]), "dtype", None) == FP8:
                     counters["sm70attn"]["store_refused"] += 1
                     log.debug("sm70attn: cache write %s left unchanged: %s", node.name, e)
@@ -155,6 +188,12 @@ def rewrite_graph(graph: fx.Graph) -> int:
             if any(_touches(n, (a.cache, b.cache)) for n in between if n not in b.chain):
                 counters["sm70attn"]["store_refused"] += 1
                 log.debug("sm70attn: %s and %s have a cache read between them", a.node, b.node)
+                continue
+            # the K write moves to the V write: its tokens, slots and scale must not change
+            why = writes_between(a.node, b.node, [a.x, a.slots, a.scale])
+            if why:
+                counters["sm70attn"]["store_refused"] += 1
+                log.debug("sm70attn: %s and %s not paired: %s", a.node, b.node, why)
                 continue
             _rewrite_pair(graph, a, b)
             used |= {a, b}

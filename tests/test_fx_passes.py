@@ -470,6 +470,37 @@ def arange_mask_off_by_one(q, kc, vc, bt, sl, ks, vs):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def cache_written_after_gather(q, kc, vc, bt, sl, ks, vs):
+    # The op would read the cache at the SDPA, after this write; eager read it before.
+    k = kc[bt].flatten(1, 2).to(torch.float16) * ks
+    v = vc[bt].flatten(1, 2).to(torch.float16) * vs
+    kc.view(-1, kc.shape[2], kc.shape[3])[bt[:, 0].long() * kc.shape[1]] = torch.full(
+        (q.shape[0], kc.shape[2], kc.shape[3]), 100.0
+    ).to(FP8)
+    k = k.transpose(1, 2).repeat_interleave(G, dim=1)
+    v = v.transpose(1, 2).repeat_interleave(G, dim=1)
+    mask = sa.verifier_mask(sl, q.shape[2], k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def reinterpreted_cache(q, kc, vc, bt, sl, ks, vs):
+    # A dtype view is not a dequantization.
+    k = kc[bt].view(torch.float8_e5m2).flatten(1, 2).half().transpose(1, 2).repeat_interleave(G, 1)
+    v = vc[bt].flatten(1, 2).half().transpose(1, 2).repeat_interleave(G, 1)
+    mask = sa.verifier_mask(sl, q.shape[2], k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def arange_mask_alpha(q, kc, vc, bt, sl, ks, vs):
+    # torch.add(..., alpha=2) is seq_len - Q + 2r, not the verifier mask.
+    Q = q.shape[2]
+    k = (kc[bt].flatten(1, 2).half() * ks).transpose(1, 2).repeat_interleave(G, dim=1)
+    v = (vc[bt].flatten(1, 2).half() * vs).transpose(1, 2).repeat_interleave(G, dim=1)
+    last = torch.add(sl[:, None] - Q, torch.arange(Q), alpha=2)
+    mask = (torch.arange(k.shape[2])[None, None, :] <= last[:, :, None])[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def verify_without_mask(q, kc, vc, bt, sl, ks, vs):
     # Q = 4 rows with no mask all see the same keys: not the op's verifier semantics.
     return decode_exact_length(q, kc, vc, bt, sl, ks, vs)
@@ -497,17 +528,21 @@ def per_query_head_scale(q, kc, vc, bt, sl, ks, vs):
         (per_query_head_scale, "does not vary along the KV heads alone"),
         (verify_without_mask, "no attn_mask with Q = 4 > 1"),
         (arange_mask_off_by_one, "arange mask is not t <= seq_len - Q + r"),
+        (cache_written_after_gather, "may write"),
+        (reinterpreted_cache, "reinterprets K/V as torch.float8_e5m2"),
+        (arange_mask_alpha, "alpha"),
     ],
 )
 def test_negative_twins(fn, reason, caplog):
     args = problem(per_head=fn is own_mask)
+    eager_args = [a.clone() for a in args]  # some twins write their inputs
     with caplog.at_level(logging.DEBUG, logger="torch_sm70attn"):
         cap, out, ctr = compile_and_run(fn, *args)
     assert cap.before == cap.after, "graph changed"
     assert ctr.get("paged_attention_rewrite") is None and ctr.get("sdpa_refused") == 1
     assert reason in caplog.text, caplog.text
     if fn is not dropout:  # the unchanged graph computes what eager does
-        torch.testing.assert_close(out, fn(*args))
+        torch.testing.assert_close(out, fn(*eager_args))
 
 
 def test_disable_switch_refuses(monkeypatch):
@@ -689,6 +724,14 @@ def fp16_division(k, v, kc, vc, slots, ks, vs):
     vc.view(-1, H, D)[slots] = (v / vs).clamp(-448, 448).to(FP8)
 
 
+def key_changed_between(k, v, kc, vc, slots, ks, vs):
+    # store_kv would take K at the V write, after this in-place change.
+    H, D = kc.shape[2:]
+    kc.view(-1, H, D)[slots] = q8(k, ks)
+    k.mul_(0.5)
+    vc.view(-1, H, D)[slots] = q8(v, vs)
+
+
 def multiplied(k, v, kc, vc, slots, ks, vs):
     H, D = kc.shape[2:]
     kc.view(-1, H, D)[slots] = (k * ks).clamp(-448, 448).to(FP8)
@@ -703,6 +746,7 @@ def multiplied(k, v, kc, vc, slots, ks, vs):
         (read_between, "have a cache read between them"),
         (multiplied, "is not x / scale"),
         (fp16_division, "is computed in torch.float16"),
+        (key_changed_between, "may write"),
     ],
 )
 def test_store_negative_twins(fn, reason, caplog):
