@@ -68,9 +68,10 @@ def scale_node(graph: fx.Graph, scale, device) -> fx.Node:
 def fake(node: fx.Node) -> fx.Node:
     """Fill a new node's example_value by running it on its inputs' fake values, in the
     graph's fake mode (a node without tensor inputs takes it from the placeholders)."""
-    vals = [meta(a) for a in node.all_input_nodes]
-    vals += [n.meta.get("example_value") for n in node.graph.nodes if n.op == "placeholder"]
-    modes = [v.fake_mode for v in vals if isinstance(v, FakeTensor)]
+    modes = [v.fake_mode for v in map(meta, node.all_input_nodes) if isinstance(v, FakeTensor)]
+    if not modes:  # e.g. torch.full: take the mode of the graph's inputs
+        vals = (n.meta.get("example_value") for n in node.graph.nodes if n.op == "placeholder")
+        modes = [v.fake_mode for v in vals if isinstance(v, FakeTensor)]
     mode = modes[0] if modes else FakeTensorMode()
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), meta)
     fn = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target

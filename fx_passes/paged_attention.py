@@ -71,7 +71,6 @@ class Layout:
     sizes: dict[str, int]
     dtype: torch.dtype
     scale: object = None  # the multiplier: None, a Python number or an fx.Node
-    scale_dim: int | None = None  # which dim a per-head scale varies along
     nodes: list[fx.Node] = field(default_factory=list)  # the chain, gather first
     cache: fx.Node | None = None
     bt: fx.Node | None = None  # the block table (int32 as the user holds it)
@@ -302,7 +301,7 @@ def _scale_step(lay: Layout, node: fx.Node) -> None:
     off = len(lay.dims) - len(shape)
     if len(varying) != 1 or lay.dims[off + varying[0]] != ("H",):
         raise Refused(f"scale of shape {shape} does not vary along the KV heads alone")
-    lay.scale, lay.scale_dim = s, off + varying[0]
+    lay.scale = s
 
 
 def _source(node: fx.Node) -> fx.Node:

@@ -123,16 +123,17 @@ def load_cuda_kernels():
     global _loader
     from . import _jit
 
-    if _loader is not None:
-        _loader._destroy()
-        _loader = None
-        try:
-            mod = _jit.load()
-        except Exception:
-            _install_loader()
-            raise
-        mod.set_validate(routes.validate_mode())
-    return _jit.load()
+    if _loader is None:
+        return _jit.load()  # cached
+    _loader._destroy()
+    _loader = None
+    try:
+        mod = _jit.load()
+    except Exception:
+        _install_loader()
+        raise
+    mod.set_validate(routes.validate_mode())
+    return mod
 
 
 _install_loader()
