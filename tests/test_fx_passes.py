@@ -139,11 +139,17 @@ def reshape_first(q, kc, vc, bt, sl, ks, vs):
 
 # The "before" graphs are Dynamo's output: pinned to the torch that CI installs (2.13.0);
 # regenerate with EXPECTTEST_ACCEPT=1 when that pin moves. The "after" graphs are the pass's.
+def gqa_kv(kc, vc, bt, ks, vs):
+    """K and V gathered, dequantized and expanded to the query heads ([B, H_q, T, D])."""
+    k = (kc[bt].flatten(1, 2).half() * ks).transpose(1, 2).repeat_interleave(G, dim=1)
+    v = (vc[bt].flatten(1, 2).half() * vs).transpose(1, 2).repeat_interleave(G, dim=1)
+    return k, v
+
+
 def arange_mask(q, kc, vc, bt, sl, ks, vs):
     """The verifier mask written out with arange comparisons instead of verifier_mask."""
     Q = q.shape[2]
-    k = (kc[bt].flatten(1, 2).half() * ks).transpose(1, 2).repeat_interleave(G, dim=1)
-    v = (vc[bt].flatten(1, 2).half() * vs).transpose(1, 2).repeat_interleave(G, dim=1)
+    k, v = gqa_kv(kc, vc, bt, ks, vs)
     t = torch.arange(k.shape[2])
     last = sl[:, None] - Q + torch.arange(Q)
     mask = (t[None, None, :] <= last[:, :, None])[:, None]
@@ -462,8 +468,7 @@ def different_tables(q, kc, vc, bt, sl, ks, vs):
 def arange_mask_off_by_one(q, kc, vc, bt, sl, ks, vs):
     # t < last instead of t <= last: each row sees one key fewer than the op would.
     Q = q.shape[2]
-    k = (kc[bt].flatten(1, 2).half() * ks).transpose(1, 2).repeat_interleave(G, dim=1)
-    v = (vc[bt].flatten(1, 2).half() * vs).transpose(1, 2).repeat_interleave(G, dim=1)
+    k, v = gqa_kv(kc, vc, bt, ks, vs)
     t = torch.arange(k.shape[2])
     last = sl[:, None] - Q + torch.arange(Q)
     mask = (t[None, None, :] < last[:, :, None])[:, None]
@@ -494,8 +499,7 @@ def reinterpreted_cache(q, kc, vc, bt, sl, ks, vs):
 def arange_mask_alpha(q, kc, vc, bt, sl, ks, vs):
     # torch.add(..., alpha=2) is seq_len - Q + 2r, not the verifier mask.
     Q = q.shape[2]
-    k = (kc[bt].flatten(1, 2).half() * ks).transpose(1, 2).repeat_interleave(G, dim=1)
-    v = (vc[bt].flatten(1, 2).half() * vs).transpose(1, 2).repeat_interleave(G, dim=1)
+    k, v = gqa_kv(kc, vc, bt, ks, vs)
     last = torch.add(sl[:, None] - Q, torch.arange(Q), alpha=2)
     mask = (torch.arange(k.shape[2])[None, None, :] <= last[:, :, None])[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
