@@ -16,26 +16,43 @@ template <> struct LoadVec<8> { using type = uint2; };
 __device__ __forceinline__ void zero(uint4& x) { x = make_uint4(0u, 0u, 0u, 0u); }
 __device__ __forceinline__ void zero(uint2& x) { x = make_uint2(0u, 0u); }
 
-// Thread tid serves token j = tid / TPK of the tile and its chunks part = tid % TPK + l * TPK
+// Thread tid serves token j = token(tid) of the tile and its chunks part = part0(tid) + l * TPK
 // (l < LPT): the token's page and offset are found once (one FastDiv) and shared by its K and V
 // chunks, so the per-byte gather cost is a few base-pointer loads. A warp's load l covers
 // 32 / TPK tokens with TPK * VEC contiguous bytes each (whole 32-byte sectors).
+// With 16-byte chunks and TPK >= 4 (PAIRED) the threads of each aligned group of 8 take 4 chunks
+// of two adjacent tokens, so each 8-thread phase of a 16-byte shared store hits 8 distinct
+// 16-byte bank groups (the fp16 row stride is 16 bytes mod 128, chunk c of a token lands at
+// 32 c): no bank conflicts, no data shuffling.
 template <class KT>
 struct KvStage {
   using Vec = typename LoadVec<KT::VEC>::type;
   static constexpr int TPK = KT::TPK, LPT = KT::LPT;
+  static constexpr bool PAIRED = KT::VEC == 16 && TPK >= 4;
   Vec k[LPT], v[LPT];
   bool ok;  // this thread's token is inside [t0, t_end) and its page id is valid
 
-  // kb, vb: the KV head's base plus this thread's first chunk (tid % TPK * VEC).
-  // Tokens >= t_end and tokens on a page id outside [0, num_pages) are not read (zeros);
-  // the softmax masks them through the per-token flag.
+  static __device__ __forceinline__ int token(int tid) {
+    return PAIRED ? tid / (2 * TPK) * 2 + (tid >> 2 & 1) : tid / TPK;
+  }
+  static __device__ __forceinline__ int part0(int tid) {
+    return PAIRED ? (tid & 3) | (tid >> 3 & (TPK / 4 - 1)) << 2 : tid % TPK;
+  }
+
+  // Registers start as zeros; a token that is not read keeps the previous tile's bytes. Either
+  // way every byte decodes to a finite fp16 (e4m3.h), and the softmax gives that token P = 0.
+  __device__ __forceinline__ KvStage() {
+#pragma unroll
+    for (int l = 0; l < LPT; ++l) zero(k[l]), zero(v[l]);
+  }
+
+  // kb, vb: the KV head's base plus this thread's first chunk (part0(tid) * VEC).
+  // Tokens >= t_end and tokens on a page id outside [0, num_pages) are not read; the softmax
+  // masks them through the per-token flag.
   __device__ __forceinline__ void load(const PagedAttnParams& p, const unsigned char* kb,
                                        const unsigned char* vb, const int* bt, int t0, int t_end,
                                        int tid) {
-    const int t = t0 + tid / TPK;
-#pragma unroll
-    for (int l = 0; l < LPT; ++l) zero(k[l]), zero(v[l]);
+    const int t = t0 + token(tid);
     ok = false;
     if ((KT::ACTIVE == KT::THREADS || tid < KT::ACTIVE) && t < t_end) {
       const int pi = fastdiv(t, FastDiv{p.page_div_m, p.page_div_l});  // < max_pages: t < t_end <= capacity
@@ -56,37 +73,34 @@ struct KvStage {
 
   __device__ __forceinline__ void store(__half* Ks, __half* Vs, int* tok_ok, int tid) const {
     if (KT::ACTIVE == KT::THREADS || tid < KT::ACTIVE) {
-      const int j = tid / TPK, q = tid % TPK;
+      const int j = token(tid), q = part0(tid);
 #pragma unroll
       for (int l = 0; l < LPT; ++l) {
         const int part = q + l * TPK;
-        store_chunk(Ks + j * KT::KLD + part * KT::VEC, k[l], part);
-        store_chunk(Vs + j * KT::KLD + part * KT::VEC, v[l], part);
+        store_chunk(Ks + j * KT::KLD + part * KT::VEC, k[l]);
+        store_chunk(Vs + j * KT::KLD + part * KT::VEC, v[l]);
       }
       if (q == 0) tok_ok[j] = ok;
     }
   }
 
  private:
-  // 8 bytes -> one 16-byte shared store; consecutive parts are contiguous.
-  static __device__ __forceinline__ void store_chunk(__half* dst, const uint2& x, int) {
+  // 8 bytes -> one 16-byte shared store.
+  static __device__ __forceinline__ void store_chunk(__half* dst, const uint2& x) {
     uint4 h;
     e4m3x4_to_half4(x.x, h.x, h.y);
     e4m3x4_to_half4(x.y, h.z, h.w);
     *reinterpret_cast<uint4*>(dst) = h;
   }
-  // 16 bytes -> two 16-byte shared stores 32 bytes apart per thread. Parts 4..7 (mod 8) store
-  // their upper half first, so each quarter-warp store phase hits 8 distinct bank groups.
-  static __device__ __forceinline__ void store_chunk(__half* dst, const uint4& x, int part) {
+  // 16 bytes -> two 16-byte shared stores.
+  static __device__ __forceinline__ void store_chunk(__half* dst, const uint4& x) {
     uint4 h0, h1;
     e4m3x4_to_half4(x.x, h0.x, h0.y);
     e4m3x4_to_half4(x.y, h0.z, h0.w);
     e4m3x4_to_half4(x.z, h1.x, h1.y);
     e4m3x4_to_half4(x.w, h1.z, h1.w);
-    const int sw = (part >> 2) & 1;
-    uint4* d = reinterpret_cast<uint4*>(dst);
-    d[sw] = sw ? h1 : h0;
-    d[sw ^ 1] = sw ? h0 : h1;
+    reinterpret_cast<uint4*>(dst)[0] = h0;
+    reinterpret_cast<uint4*>(dst)[1] = h1;
   }
 };
 

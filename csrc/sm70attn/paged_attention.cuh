@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   float* row_m = reinterpret_cast<float*>(smem + KT::ROW_OFF);  // running max (log2 units)
   float* row_l = row_m + ROWS;                                  // running sum
   int* tok_ok = reinterpret_cast<int*>(smem + KT::TOK_OFF);     // [N]
+  unsigned char* moved = smem + KT::FLAG_OFF;                   // [WARPS]: a row max of the warp moved
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int mblk = warp / WN, wn = warp % WN;  // this warp's 16-row block and column share
@@ -98,10 +99,6 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     }
     *reinterpret_cast<uint4*>(Qs + lr * KT::QLD + part * 8) = x;
   }
-  for (int i = tid; i < ROWS; i += KT::THREADS) {
-    row_m[i] = neg_inf();
-    row_l[i] = 0.f;
-  }
   __syncthreads();
 
   FragC o[KT::DPW];  // O[mblk rows][(wn * DPW + k) * 16 ...], unnormalised
@@ -110,10 +107,32 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
 
   // Score scale in log2 units: softmax scale * k_scale * 2^8 (e4m3 -> fp16 leaves K at 2^-8).
   const float sl2 = p.scale_log2 * __ldg(p.k_scale + kvh * p.k_scale_stride) * 256.f;
-  const int part0 = tid % KT::TPK * KT::VEC;  // this thread's first chunk of its token
+  const int part0 = KvStage<KT>::part0(tid) * KT::VEC;  // this thread's first chunk of its token
   const unsigned char* kb = p.k + kvh * p.k_stride_head + part0;
   const unsigned char* vb = p.v + kvh * p.v_stride_head + part0;
   const int* bt = p.block_table + b * p.bt_stride_b;
+
+  // Softmax rows of this warp, two per pass: half-warp h of pass k owns row
+  // lr = mblk * 16 + wn + (2k + h) * WN (its lanes take tokens j = hl + 16c of each tile); `last`
+  // is the last token it may see (t <= len - Q + r; padding rows see none). With at most two
+  // passes (WN >= 4: every shape we tune for) the row's running max and sum and `last` live in
+  // registers of its half-warp; more passes keep them in shared memory (registers would spill).
+  constexpr int PASSES = 16 / WN / 2;
+  constexpr bool REGS = PASSES <= 2;
+  constexpr int RP = REGS ? PASSES : 1;
+  const int half = lane >> 4, hl = lane & 15;
+  auto row_last = [&](int lr) { return lr < nrows ? len - p.Q + (row0 + lr) % p.Q : -1; };
+  int last[RP];
+  float m_run[RP], l_run[RP];
+#pragma unroll
+  for (int k = 0; k < RP; ++k) {
+    last[k] = row_last(mblk * 16 + wn + (2 * k + half) * WN);
+    m_run[k] = neg_inf(), l_run[k] = 0.f;
+  }
+  if (!REGS) {
+    for (int i = tid; i < ROWS; i += KT::THREADS) row_m[i] = neg_inf(), row_l[i] = 0.f;
+    // (ordered before the first softmax by the loop's barriers)
+  }
 
   KvStage<KT> st;
   st.load(p, kb, vb, bt, t_begin, t_end, tid);
@@ -127,42 +146,43 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     // D slices [ks * DPK, ks * DPK + DPK), into partial buffer ks (wns = wn % WNS, ks = wn / WNS).
     {
       const int wns = wn % KT::WNS, ks = wn / KT::WNS;
+      const __half* qa = Qs + mblk * 16 * KT::QLD + ks * KT::DPK * 16;
+      const __half* kt = Ks + wns * 16 * KT::KLD + ks * KT::DPK * 16;
       FragC s[KT::SPW];
 #pragma unroll
       for (int k = 0; k < KT::SPW; ++k) wmma::fill_fragment(s[k], 0.f);
-#pragma unroll 2
-      for (int kk = ks * KT::DPK; kk < ks * KT::DPK + KT::DPK; ++kk) {
+#pragma unroll(KT::QK_UNROLL)
+      for (int i = 0; i < KT::DPK; ++i) {
         FragA a;
-        wmma::load_matrix_sync(a, Qs + mblk * 16 * KT::QLD + kk * 16, KT::QLD);
+        wmma::load_matrix_sync(a, qa + i * 16, KT::QLD);
 #pragma unroll
         for (int k = 0; k < KT::SPW; ++k) {
-          const int n = wns + k * KT::WNS;
-          if (KT::NB % KT::WNS == 0 || n < KT::NB) {
+          if (KT::NB % KT::WNS == 0 || wns + k * KT::WNS < KT::NB) {
             FragKt bk;
-            wmma::load_matrix_sync(bk, Ks + n * 16 * KT::KLD + kk * 16, KT::KLD);
+            wmma::load_matrix_sync(bk, kt + k * KT::WNS * 16 * KT::KLD + i * 16, KT::KLD);
             wmma::mma_sync(s[k], a, bk, s[k]);
           }
         }
       }
+      float* sd = Ss + ks * ROWS * KT::SLD + mblk * 16 * KT::SLD + wns * 16;
 #pragma unroll
-      for (int k = 0; k < KT::SPW; ++k) {
-        const int n = wns + k * KT::WNS;
-        if (KT::NB % KT::WNS == 0 || n < KT::NB)
-          wmma::store_matrix_sync(Ss + ks * ROWS * KT::SLD + mblk * 16 * KT::SLD + n * 16, s[k], KT::SLD,
-                                  wmma::mem_row_major);
-      }
+      for (int k = 0; k < KT::SPW; ++k)
+        if (KT::NB % KT::WNS == 0 || wns + k * KT::WNS < KT::NB)
+          wmma::store_matrix_sync(sd + k * KT::WNS * 16, s[k], KT::SLD, wmma::mem_row_major);
     }
     __syncthreads();
 
-    // Online softmax, fp32, two rows per warp pass: half-warp h of pass k takes row
-    // lr = mblk * 16 + wn + (2k + h) * WN, its lanes N / 16 tokens each (j = hl + 16c), so one
-    // 4-step shuffle reduction serves two rows. Row r of request b sees t <= len - Q + r; tokens on
-    // invalid pages are masked like future ones; a padding row (lr >= nrows) sees nothing, so its
-    // P and alpha come out 0 and its O stays 0.
+    // Online softmax, fp32, two rows per warp pass (rows as set up before the loop), one 4-step
+    // shuffle reduction for both. Tokens on invalid pages are masked like future ones; a padding
+    // row sees nothing, so its P and alpha come out 0 and its O stays 0. `moved`: whether any row
+    // of the warp changed its max (alpha != 1), so PV can skip rescaling O when none did.
     {
-      const int half = lane >> 4, hl = lane & 15;
-#pragma unroll 2
-      for (int k = 0; k < 16 / WN / 2; ++k) {
+      bool tok[N / 16];
+#pragma unroll
+      for (int c = 0; c < N / 16; ++c) tok[c] = tok_ok[hl + 16 * c] != 0;
+      bool mv = false;
+#pragma unroll
+      for (int k = 0; k < PASSES; ++k) {
         const int lr = mblk * 16 + wn + (2 * k + half) * WN;
         if (mblk * 16 + wn + 2 * k * WN >= nrows) {  // both rows padding (warp-uniform): P = 0, alpha = 0
 #pragma unroll
@@ -170,7 +190,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
           As[lr * KT::SLD + hl] = 0.f;
           continue;
         }
-        const int last = lr < nrows ? len - p.Q + (row0 + lr) % p.Q - t0 : -1;  // last visible token, tile-relative
+        const int lim = (REGS ? last[REGS ? k : 0] : row_last(lr)) - t0;  // last visible token, tile-relative
         float s[N / 16];
         float mx = neg_inf();
 #pragma unroll
@@ -179,11 +199,12 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
           float sc = Ss[lr * KT::SLD + j];
 #pragma unroll
           for (int q = 1; q < KT::KS; ++q) sc += Ss[q * ROWS * KT::SLD + lr * KT::SLD + j];  // partials in order
-          s[c] = (j <= last && tok_ok[j]) ? sc * sl2 : neg_inf();
+          s[c] = (j <= lim && tok[c]) ? sc * sl2 : neg_inf();
           mx = fmaxf(mx, s[c]);
         }
         mx = half_warp_max(mx);
-        const float m_old = row_m[lr], l_old = row_l[lr];
+        const float m_old = REGS ? m_run[REGS ? k : 0] : row_m[lr];
+        const float l_old = REGS ? l_run[REGS ? k : 0] : row_l[lr];
         const float m_new = fmaxf(m_old, mx);
         const float m_use = m_new == neg_inf() ? 0.f : m_new;  // fully masked so far: p = 0
         __syncwarp();  // the rows' S values and state are read before P and state overwrite them
@@ -197,11 +218,15 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
         sum = half_warp_sum(sum);
         const float alpha = exp2f(m_old - m_use);
         As[lr * KT::SLD + hl] = alpha;  // per row block a 16 x 16 tile: alpha of row i
-        if (hl == 0) {
-          row_m[lr] = m_new;
-          row_l[lr] = l_old * alpha + sum;
+        mv |= alpha != 1.f;
+        if (REGS) {
+          m_run[REGS ? k : 0] = m_new, l_run[REGS ? k : 0] = l_old * alpha + sum;
+        } else if (hl == 0) {
+          row_m[lr] = m_new, row_l[lr] = l_old * alpha + sum;
         }
       }
+      mv = __any_sync(0xffffffffu, mv);
+      if (lane == 0) moved[warp] = mv;
     }
     __syncthreads();
 
@@ -209,12 +234,15 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     {
       // Rows of O scale by alpha: the alpha tile is loaded as an accumulator fragment, so its
       // elements line up with O's whatever the (opaque) fragment layout.
-      FragC a;
-      wmma::load_matrix_sync(a, As + mblk * 16 * KT::SLD, KT::SLD, wmma::mem_row_major);
+      // Skipped when no row of the block moved its max (every alpha is 1: bitwise the same).
+      if (any_byte<WN>(moved + mblk * WN)) {
+        FragC a;
+        wmma::load_matrix_sync(a, As + mblk * 16 * KT::SLD, KT::SLD, wmma::mem_row_major);
 #pragma unroll
-      for (int k = 0; k < KT::DPW; ++k)
+        for (int k = 0; k < KT::DPW; ++k)
 #pragma unroll
-        for (int e = 0; e < FragC::num_elements; ++e) o[k].x[e] *= a.x[e];
+          for (int e = 0; e < FragC::num_elements; ++e) o[k].x[e] *= a.x[e];
+      }
 #pragma unroll
       for (int nn = 0; nn < KT::NB; ++nn) {
         FragA pa;
@@ -231,6 +259,13 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
 
   // Epilogue: O -> smem (fp32) -> coalesced rows of out (fp16, normalised, * v_scale * 2^8)
   // or of the fp32 partials.
+  if (REGS && hl == 0) {
+#pragma unroll
+    for (int k = 0; k < RP; ++k) {
+      const int lr = mblk * 16 + wn + (2 * k + half) * WN;
+      row_m[lr] = m_run[k], row_l[lr] = l_run[k];
+    }
+  }
   __syncthreads();
 #pragma unroll
   for (int k = 0; k < KT::DPW; ++k)

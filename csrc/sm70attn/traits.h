@@ -65,7 +65,8 @@ struct AttnTraits {
   static constexpr int EPI_BYTES = ROWS * ELD * 4;  // fp32 O staged for the epilogue (aliases all above)
   static constexpr int ROW_OFF = LOOP_BYTES > EPI_BYTES ? LOOP_BYTES : EPI_BYTES;
   static constexpr int TOK_OFF = ROW_OFF + 2 * ROWS * 4;  // after row max, row sum
-  static constexpr int SMEM_BYTES = TOK_OFF + N * 4;      // + per-token "page valid" flags
+  static constexpr int FLAG_OFF = TOK_OFF + N * 4;         // + per-token "page valid" flags
+  static constexpr int SMEM_BYTES = FLAG_OFF + (WARPS + 7) / 8 * 8;  // + per-warp "a row max moved" bytes
   // __launch_bounds__ min blocks: as many CTAs per SM as shared memory allows (96 KB, SM70), but
   // never a register budget under 128 per thread (65536 / (128 * THREADS) CTAs). Decode (MB = 1,
   // 4 warps) asks for at least 3 (<= 168 registers): SMs with more shared memory (SM80+) then hold
@@ -75,6 +76,9 @@ struct AttnTraits {
   static constexpr int FIT_BLOCKS = SMEM_BLOCKS < REG_BLOCKS ? SMEM_BLOCKS : REG_BLOCKS;
   static constexpr int WANT_BLOCKS = MB == 1 && FIT_BLOCKS < 3 ? 3 : FIT_BLOCKS;
   static constexpr int MIN_BLOCKS = WANT_BLOCKS < REG_BLOCKS ? WANT_BLOCKS : REG_BLOCKS;
+  // QK^T loop over the D slices: fully unrolled (constant shared-memory offsets) when the
+  // register budget 65536 / (THREADS * MIN_BLOCKS) allows it (>= 160), else by 4 (no spills).
+  static constexpr int QK_UNROLL = 65536 / (THREADS * MIN_BLOCKS) >= 160 ? DPK : 4;
 
   static_assert(D == 64 || D == 128 || D == 256, "head dim");
   static_assert(MB >= 1 && MB <= attn_max_row_blocks(D), "row blocks");

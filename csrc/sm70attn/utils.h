@@ -51,6 +51,18 @@ __host__ __device__ __forceinline__ int fastdiv(int n, FastDiv f) {
   return (int)((hi + (unsigned)n) >> f.l);
 }
 
+// Whether any of the W bytes at f (aligned to W, W a power of two <= 8) is nonzero: one load.
+template <int W>
+__device__ __forceinline__ bool any_byte(const unsigned char* f) {
+  if (W == 8) {
+    const uint2 x = *reinterpret_cast<const uint2*>(f);
+    return (x.x | x.y) != 0u;
+  }
+  if (W == 4) return *reinterpret_cast<const unsigned*>(f) != 0u;
+  if (W == 2) return *reinterpret_cast<const unsigned short*>(f) != 0;
+  return *f != 0;
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ unsigned pack_half2(float a, float b) {
