@@ -10,53 +10,64 @@
 namespace sm70attn {
 
 // CTA (row, column slice): 32 columns of one output row of [B * H_q * Q], one per lane. Warp w
-// sums splits w, w + WARPS, ... in increasing order, U loads in flight per lane (so one call
-// has rows * D * 4 * WARPS * U bytes in flight: a latency-bound combine of a few rows reads all
-// of its partials at once); then the warps' sums are added in warp order.
+// folds splits w, w + WARPS, ... in increasing order into a running (max, sum, acc) (one pass
+// over the partials, U loads in flight per lane, so one call has rows * D * 4 * WARPS * U bytes
+// in flight: a latency-bound combine of a few rows reads all of its partials at once); then the
+// warps' results are merged in warp order. Splits that saw nothing (m = -inf) weigh 0.
 template <class CT>
 __global__ void __launch_bounds__(CT::THREADS) combine_kernel(const PagedAttnParams p) {
   constexpr int D = CT::D, W = CT::WARPS, U = CT::U, CW = CT::CW;
   extern __shared__ __align__(128) unsigned char smem[];
   float(*red_acc)[CW] = reinterpret_cast<float(*)[CW]>(smem);  // [W][CW]
   float* red_l = reinterpret_cast<float*>(smem) + W * CW;        // [W]
+  float* red_m = red_l + W;                                      // [W]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const i64 row = blockIdx.x;
   const int col = blockIdx.y * CW + lane;
   const int S = p.num_splits;
   const float2* ml = p.part_ml + row * S;
+  const float* pa = p.part_acc + row * S * D + col;
 
-  float mmax = neg_inf();
-  for (int s = lane; s < S; s += 32) mmax = fmaxf(mmax, ml[s].x);
-  mmax = warp_max(mmax);
-
-  float acc = 0.f, l = 0.f;
-  if (mmax != neg_inf()) {
-    const float* pa = p.part_acc + row * S * D + col;
-    for (int s0 = warp; s0 < S; s0 += W * U) {
-      float x[U];
-      float2 e[U];
+  float m = neg_inf(), l = 0.f, acc = 0.f;  // this warp's running max, sum and column value
+  for (int s0 = warp; s0 < S; s0 += W * U) {
+    float x[U];
+    float2 e[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int s = s0 + u * W;
+      x[u] = 0.f, e[u] = make_float2(neg_inf(), 0.f);
+      if (s < S) x[u] = pa[(i64)s * D], e[u] = ml[s];
+    }
+    float mx = m;
+#pragma unroll
+    for (int u = 0; u < U; ++u) mx = fmaxf(mx, e[u].x);
+    if (mx != neg_inf()) {
+      const float r = exp2f(m - mx);  // m = -inf: 0 (acc and l are 0 then)
+      acc *= r, l *= r;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int s = s0 + u * W;
-        if (s < S) x[u] = pa[(i64)s * D], e[u] = ml[s];
+        const float w = exp2f(e[u].x - mx);  // 0 for an empty split (its O is written as 0)
+        l += w * e[u].y;
+        acc += w * x[u];
       }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (s0 + u * W < S) {
-          const float w = exp2f(e[u].x - mmax);  // 0 for an empty split (its O is written as 0)
-          l += w * e[u].y;
-          acc += w * x[u];
-        }
-      }
+      m = mx;
     }
   }
   red_acc[warp][lane] = acc;
-  if (lane == 0) red_l[warp] = l;
+  if (lane == 0) red_l[warp] = l, red_m[warp] = m;
   __syncthreads();
   if (warp != 0) return;
-  acc = 0.f, l = 0.f;
+  float mmax = neg_inf();
 #pragma unroll
-  for (int w = 0; w < W; ++w) l += red_l[w], acc += red_acc[w][lane];
+  for (int w = 0; w < W; ++w) mmax = fmaxf(mmax, red_m[w]);
+  acc = 0.f, l = 0.f;
+  if (mmax != neg_inf()) {
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float r = exp2f(red_m[w] - mmax);
+      l += r * red_l[w], acc += r * red_acc[w][lane];
+    }
+  }
   const int kvh = (int)(row / p.Q % p.H_q) / p.G;
   const float f = l > 0.f ? __ldg(p.v_scale + kvh * p.v_scale_stride) * 256.f / l : 0.f;
   p.out[row * D + col] = __float2half_rn(acc * f);

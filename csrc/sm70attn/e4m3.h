@@ -5,17 +5,19 @@
 
 namespace sm70attn {
 
-// Four e4m3 bytes (element i in byte i of x) to four fp16 holding value * 2^-8:
-// fp16 bits = (b & 0x80) << 8 | (b & 0x7F) << 7. The e4m3 exponent field lands in the fp16
-// exponent with bias 15 - 7 = 8 too few, i.e. every value is scaled by 2^-8 exactly; e4m3
-// subnormals become fp16 normals. Callers fold 2^8 into their scales. The NaN code 0x7F maps
-// to the finite 1.875 (480 after the fold): NaN stored in the cache is not propagated.
-// lo holds elements 0, 1; hi elements 2, 3 (fp16 pairs, low half first).
+// Four e4m3 bytes x = [b3 b2 b1 b0] (b0 lowest) to four fp16 holding value * 2^-8, in the order
+// b0, b2, b1, b3: D is permuted within each group of 4 (a permutation that is its own inverse;
+// the kernel permutes Q the same way and un-permutes O). fp16 bits = (b & 0x80) << 8 |
+// (b & 0x7F) << 7: the e4m3 exponent field lands in the fp16 exponent with bias 15 - 7 = 8 too
+// few, i.e. every value is scaled by 2^-8 exactly; e4m3 subnormals become fp16 normals. Callers
+// fold 2^8 into their scales. Every byte decodes to a finite fp16; the NaN code 0x7F maps to
+// 1.875 (480 after the fold): NaN stored in the cache is not propagated. The odd bytes sit where
+// a 1-bit shift puts them, the even ones after 8 more bits: 7 instructions, no byte permutes.
+// lo = fp16 pair (b0, b2), hi = (b1, b3), low half first.
 __device__ __forceinline__ void e4m3x4_to_half4(unsigned x, unsigned& lo, unsigned& hi) {
-  const unsigned a = __byte_perm(x, 0u, 0x1404);  // b1 << 24 | b0 << 8
-  const unsigned b = __byte_perm(x, 0u, 0x3424);  // b3 << 24 | b2 << 8
-  lo = (a & 0x80008000u) | ((a >> 1) & 0x3F803F80u);
-  hi = (b & 0x80008000u) | ((b >> 1) & 0x3F803F80u);
+  hi = (x & 0x80008000u) | ((x >> 1) & 0x3F803F80u);
+  const unsigned y = x << 8;
+  lo = (y & 0x80008000u) | ((y >> 1) & 0x3F803F80u);
 }
 
 // RNE float -> e4m3 after saturation to +-448, bit-equal to torch's

@@ -97,7 +97,10 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
         x.w = __ldg(s + 6) | (unsigned)__ldg(s + 7) << 16;
       }
     }
-    *reinterpret_cast<uint4*>(Qs + lr * KT::QLD + part * 8) = x;
+    // D permuted within groups of 4 like K and V (e4m3.h): positions 0..3 hold q0, q2, q1, q3.
+    *reinterpret_cast<uint4*>(Qs + lr * KT::QLD + part * 8) =
+        make_uint4(__byte_perm(x.x, x.y, 0x5410), __byte_perm(x.x, x.y, 0x7632),
+                   __byte_perm(x.z, x.w, 0x5410), __byte_perm(x.z, x.w, 0x7632));
   }
   __syncthreads();
 
@@ -112,21 +115,23 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   const unsigned char* vb = p.v + kvh * p.v_stride_head + part0;
   const int* bt = p.block_table + b * p.bt_stride_b;
 
-  // Softmax rows of this warp, two per pass: half-warp h of pass k owns row
-  // lr = mblk * 16 + wn + (2k + h) * WN (its lanes take tokens j = hl + 16c of each tile); `last`
-  // is the last token it may see (t <= len - Q + r; padding rows see none). With at most two
-  // passes (WN >= 4: every shape we tune for) the row's running max and sum and `last` live in
-  // registers of its half-warp; more passes keep them in shared memory (registers would spill).
-  constexpr int PASSES = 16 / WN / 2;
-  constexpr bool REGS = PASSES <= 2;
+  // Softmax rows of this warp, RPP per pass: lane group g (LPR = N / 4 lanes) of pass k owns row
+  // lr = mblk * 16 + wn + (k * RPP + g) * WN and takes its 4 adjacent tokens j = 4 gl + c of
+  // each tile (gl: lane in group; one 16-byte load per lane). `last` is the last token a row may
+  // see (t <= len - Q + r; padding rows see none). With at most two passes and registers to
+  // spare (every shape we tune for) the row's running max and sum and `last` live in registers
+  // of its lane group; otherwise in shared memory (registers would spill).
+  constexpr int LPR = N / 4, RPP = 32 / LPR, PASSES = 16 / WN / RPP;
+  static_assert(PASSES >= 1 && 16 / WN % RPP == 0, "softmax rows per warp");
+  constexpr bool REGS = PASSES <= 2 && KT::ROOMY;
   constexpr int RP = REGS ? PASSES : 1;
-  const int half = lane >> 4, hl = lane & 15;
+  const int grp = lane / LPR, gl = lane % LPR;
   auto row_last = [&](int lr) { return lr < nrows ? len - p.Q + (row0 + lr) % p.Q : -1; };
   int last[RP];
   float m_run[RP], l_run[RP];
 #pragma unroll
   for (int k = 0; k < RP; ++k) {
-    last[k] = row_last(mblk * 16 + wn + (2 * k + half) * WN);
+    last[k] = row_last(mblk * 16 + wn + (k * RPP + grp) * WN);
     m_run[k] = neg_inf(), l_run[k] = 0.f;
   }
   if (!REGS) {
@@ -172,37 +177,43 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     }
     __syncthreads();
 
-    // Online softmax, fp32, two rows per warp pass (rows as set up before the loop), one 4-step
-    // shuffle reduction for both. Tokens on invalid pages are masked like future ones; a padding
-    // row sees nothing, so its P and alpha come out 0 and its O stays 0. `moved`: whether any row
-    // of the warp changed its max (alpha != 1), so PV can skip rescaling O when none did.
+    // Online softmax, fp32, RPP rows per warp pass (rows as set up before the loop), one
+    // log2(LPR)-step shuffle reduction for all of them. Tokens on invalid pages are masked like
+    // future ones; a padding row sees nothing, so its P and alpha come out 0 and its O stays 0.
+    // `moved`: whether any row of the warp changed its max (alpha != 1), so PV can skip
+    // rescaling O when none did.
     {
-      bool tok[N / 16];
-#pragma unroll
-      for (int c = 0; c < N / 16; ++c) tok[c] = tok_ok[hl + 16 * c] != 0;
+      int ok[4];
+      ld_vec(ok, tok_ok + gl * 4);
       bool mv = false;
-#pragma unroll
+#pragma unroll(REGS ? PASSES : 1)
       for (int k = 0; k < PASSES; ++k) {
-        const int lr = mblk * 16 + wn + (2 * k + half) * WN;
-        if (mblk * 16 + wn + 2 * k * WN >= nrows) {  // both rows padding (warp-uniform): P = 0, alpha = 0
+        const int lr = mblk * 16 + wn + (k * RPP + grp) * WN;
+        float s[4];
+        if (mblk * 16 + wn + k * RPP * WN >= nrows) {  // all rows padding (warp-uniform): P = 0, alpha = 0
 #pragma unroll
-          for (int c = 0; c < N / 16; ++c) Ps[lr * KT::PLD + hl + 16 * c] = __ushort_as_half(0);
-          As[lr * KT::SLD + hl] = 0.f;
+          for (int c = 0; c < 4; ++c) s[c] = 0.f;
+          st_half_vec(Ps + lr * KT::PLD + gl * 4, s);
+#pragma unroll
+          for (int i = gl; i < 16; i += LPR) As[lr * KT::SLD + i] = 0.f;
           continue;
         }
-        const int lim = (REGS ? last[REGS ? k : 0] : row_last(lr)) - t0;  // last visible token, tile-relative
-        float s[N / 16];
+        const int lim = (REGS ? last[REGS ? k : 0] : row_last(lr)) - t0 - gl * 4;  // vs c
+        ld_vec(s, Ss + lr * KT::SLD + gl * 4);
+#pragma unroll
+        for (int q = 1; q < KT::KS; ++q) {  // partial scores, added in buffer order
+          float t[4];
+          ld_vec(t, Ss + q * ROWS * KT::SLD + lr * KT::SLD + gl * 4);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) s[c] += t[c];
+        }
         float mx = neg_inf();
 #pragma unroll
-        for (int c = 0; c < N / 16; ++c) {
-          const int j = hl + 16 * c;
-          float sc = Ss[lr * KT::SLD + j];
-#pragma unroll
-          for (int q = 1; q < KT::KS; ++q) sc += Ss[q * ROWS * KT::SLD + lr * KT::SLD + j];  // partials in order
-          s[c] = (j <= lim && tok[c]) ? sc * sl2 : neg_inf();
+        for (int c = 0; c < 4; ++c) {
+          s[c] = (c <= lim && ok[c]) ? s[c] * sl2 : neg_inf();
           mx = fmaxf(mx, s[c]);
         }
-        mx = half_warp_max(mx);
+        mx = group_max<LPR>(mx);
         const float m_old = REGS ? m_run[REGS ? k : 0] : row_m[lr];
         const float l_old = REGS ? l_run[REGS ? k : 0] : row_l[lr];
         const float m_new = fmaxf(m_old, mx);
@@ -210,18 +221,19 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
         __syncwarp();  // the rows' S values and state are read before P and state overwrite them
         float sum = 0.f;
 #pragma unroll
-        for (int c = 0; c < N / 16; ++c) {
-          const float pr = exp2f(s[c] - m_use);
-          sum += pr;
-          Ps[lr * KT::PLD + hl + 16 * c] = __float2half_rn(pr);
+        for (int c = 0; c < 4; ++c) {
+          s[c] = exp2f(s[c] - m_use);
+          sum += s[c];
         }
-        sum = half_warp_sum(sum);
+        st_half_vec(Ps + lr * KT::PLD + gl * 4, s);
+        sum = group_sum<LPR>(sum);
         const float alpha = exp2f(m_old - m_use);
-        As[lr * KT::SLD + hl] = alpha;  // per row block a 16 x 16 tile: alpha of row i
+#pragma unroll
+        for (int i = gl; i < 16; i += LPR) As[lr * KT::SLD + i] = alpha;  // 16 copies: row i of a 16 x 16 tile
         mv |= alpha != 1.f;
         if (REGS) {
           m_run[REGS ? k : 0] = m_new, l_run[REGS ? k : 0] = l_old * alpha + sum;
-        } else if (hl == 0) {
+        } else if (gl == 0) {
           row_m[lr] = m_new, row_l[lr] = l_old * alpha + sum;
         }
       }
@@ -259,10 +271,10 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
 
   // Epilogue: O -> smem (fp32) -> coalesced rows of out (fp16, normalised, * v_scale * 2^8)
   // or of the fp32 partials.
-  if (REGS && hl == 0) {
+  if (REGS && gl == 0) {
 #pragma unroll
     for (int k = 0; k < RP; ++k) {
-      const int lr = mblk * 16 + wn + (2 * k + half) * WN;
+      const int lr = mblk * 16 + wn + (k * RPP + grp) * WN;
       row_m[lr] = m_run[k], row_l[lr] = l_run[k];
     }
   }
@@ -279,15 +291,17 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
       const float l = row_l[lr], f = l > 0.f ? vsc / l : 0.f;
       const float4 e0 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8);
       const float4 e1 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8 + 4);
+      // Columns of O are in the permuted D order (e4m3.h): positions 0..3 hold d0, d2, d1, d3.
       *reinterpret_cast<uint4*>(p.out + (out_row0 + lr) * D + part * 8) =
-          make_uint4(pack_half2(e0.x * f, e0.y * f), pack_half2(e0.z * f, e0.w * f),
-                     pack_half2(e1.x * f, e1.y * f), pack_half2(e1.z * f, e1.w * f));
+          make_uint4(pack_half2(e0.x * f, e0.z * f), pack_half2(e0.y * f, e0.w * f),
+                     pack_half2(e1.x * f, e1.z * f), pack_half2(e1.y * f, e1.w * f));
     }
   } else {
     for (int c = tid; c < nrows * (D / 4); c += KT::THREADS) {
       const int lr = c / (D / 4), part = c % (D / 4);
+      const float4 e = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 4);  // d0, d2, d1, d3
       *reinterpret_cast<float4*>(p.part_acc + ((out_row0 + lr) * p.num_splits + split) * D + part * 4) =
-          *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 4);
+          make_float4(e.x, e.z, e.y, e.w);
     }
     for (int lr = tid; lr < nrows; lr += KT::THREADS)
       p.part_ml[(out_row0 + lr) * p.num_splits + split] = make_float2(row_m[lr], row_l[lr]);

@@ -9,8 +9,8 @@ namespace sm70attn {
 // the 96 KB of shared memory.
 __host__ __device__ constexpr int attn_max_row_blocks(int d) { return d == 256 ? 4 : 8; }
 
-// KV tokens per tile. 32 (two tokens per softmax lane, a half-warp per row) keeps the fp16 K+V tiles at 9/17/34 KB
-// for D=64/128/256 so several CTAs share an SM; the register-staged e4m3 tile (4/8/16 KB per
+// KV tokens per tile. 32 (four tokens per softmax lane, 8 lanes per row) keeps the fp16 K+V
+// tiles at 9/17/34 KB for D=64/128/256 so several CTAs share an SM; the register-staged e4m3 tile (4/8/16 KB per
 // CTA in flight) covers V100's ~7 KB per SM of bandwidth x latency. D=64 with few rows takes 64.
 __host__ __device__ constexpr int attn_tile_tokens(int d, int mb) { return d == 64 && mb <= 2 ? 64 : 32; }
 
@@ -76,14 +76,16 @@ struct AttnTraits {
   static constexpr int FIT_BLOCKS = SMEM_BLOCKS < REG_BLOCKS ? SMEM_BLOCKS : REG_BLOCKS;
   static constexpr int WANT_BLOCKS = MB == 1 && FIT_BLOCKS < 3 ? 3 : FIT_BLOCKS;
   static constexpr int MIN_BLOCKS = WANT_BLOCKS < REG_BLOCKS ? WANT_BLOCKS : REG_BLOCKS;
-  // QK^T loop over the D slices: fully unrolled (constant shared-memory offsets) when the
-  // register budget 65536 / (THREADS * MIN_BLOCKS) allows it (>= 160), else by 4 (no spills).
-  static constexpr int QK_UNROLL = 65536 / (THREADS * MIN_BLOCKS) >= 160 ? DPK : 4;
+  // A register budget 65536 / (THREADS * MIN_BLOCKS) of >= 160 (ROOMY) lets the QK^T loop over
+  // the D slices unroll fully (constant shared-memory offsets; else by 4) and the softmax keep
+  // its row state in registers (else shared memory): no spills on SM70 either way.
+  static constexpr bool ROOMY = 65536 / (THREADS * MIN_BLOCKS) >= 160;
+  static constexpr int QK_UNROLL = ROOMY ? DPK : 4;
 
   static_assert(D == 64 || D == 128 || D == 256, "head dim");
   static_assert(MB >= 1 && MB <= attn_max_row_blocks(D), "row blocks");
   static_assert(VEC == 8 || VEC == 16, "load width");
-  static_assert(N % 32 == 0 && N <= 128, "softmax: N / 16 tokens per half-warp lane");
+  static_assert(N == 32 || N == 64, "softmax: 4 adjacent tokens per lane, N / 4 lanes per row");
   static_assert(16 % WN == 0 && DB % WN == 0, "row and column split over WN warps");
   static_assert(WN % KS == 0 && DB % KS == 0 && (KS == 1 || NB % WNS == 0), "QK^T split over D");
   static_assert(DPW <= 4, "fp32 O accumulators per thread (registers)");
@@ -98,7 +100,7 @@ struct AttnTraits {
 template <int D_>
 struct CombineTraits {
   static constexpr int D = D_, CW = 32, WARPS = 16, THREADS = 32 * WARPS, U = 16;
-  static constexpr int SMEM_BYTES = (WARPS * CW + WARPS) * 4;  // per-warp sums
+  static constexpr int SMEM_BYTES = (WARPS * CW + 2 * WARPS) * 4;  // per-warp sums and maxima
   static_assert(D % CW == 0, "head dim");
 };
 

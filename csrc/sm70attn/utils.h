@@ -5,28 +5,18 @@
 
 namespace sm70attn {
 
-__device__ __forceinline__ float warp_max(float x) {
+// Reductions within each aligned group of L lanes (L a power of two; all 32 lanes take part).
+template <int L>
+__device__ __forceinline__ float group_max(float x) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  for (int o = L / 2; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
 
-// Reductions within each 16-lane half of a warp (all 32 lanes take part).
-__device__ __forceinline__ float half_warp_max(float x) {
+template <int L>
+__device__ __forceinline__ float group_sum(float x) {
 #pragma unroll
-  for (int o = 8; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-
-__device__ __forceinline__ float half_warp_sum(float x) {
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  for (int o = L / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
 
@@ -51,6 +41,24 @@ __host__ __device__ __forceinline__ int fastdiv(int n, FastDiv f) {
   return (int)((hi + (unsigned)n) >> f.l);
 }
 
+// One shared-memory access per lane for 2 or 4 adjacent elements (p aligned to the access).
+__device__ __forceinline__ void ld_vec(float (&d)[2], const float* p) {
+  const float2 v = *reinterpret_cast<const float2*>(p);
+  d[0] = v.x, d[1] = v.y;
+}
+__device__ __forceinline__ void ld_vec(float (&d)[4], const float* p) {
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
+}
+__device__ __forceinline__ void ld_vec(int (&d)[2], const int* p) {
+  const int2 v = *reinterpret_cast<const int2*>(p);
+  d[0] = v.x, d[1] = v.y;
+}
+__device__ __forceinline__ void ld_vec(int (&d)[4], const int* p) {
+  const int4 v = *reinterpret_cast<const int4*>(p);
+  d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
+}
+
 // Whether any of the W bytes at f (aligned to W, W a power of two <= 8) is nonzero: one load.
 template <int W>
 __device__ __forceinline__ bool any_byte(const unsigned char* f) {
@@ -68,6 +76,14 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 __device__ __forceinline__ unsigned pack_half2(float a, float b) {
   return (unsigned)__half_as_ushort(__float2half_rn(a)) |
          ((unsigned)__half_as_ushort(__float2half_rn(b)) << 16);
+}
+
+// 2 or 4 floats -> fp16 (round to nearest even), one shared-memory store.
+__device__ __forceinline__ void st_half_vec(__half* p, const float (&v)[2]) {
+  *reinterpret_cast<unsigned*>(p) = pack_half2(v[0], v[1]);
+}
+__device__ __forceinline__ void st_half_vec(__half* p, const float (&v)[4]) {
+  *reinterpret_cast<uint2*>(p) = make_uint2(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]));
 }
 
 }  // namespace sm70attn
