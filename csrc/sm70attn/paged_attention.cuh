@@ -5,10 +5,11 @@
 // every KV byte is read once per row group; all shapes we build for have one row group except
 // D=256 with G * Q > 64. Per tile of N tokens:
 //   gather+dequant K,V -> smem fp16 | S = Q K^T (WMMA) -> smem fp32 | online softmax (fp32,
-//   one warp per row) -> P fp16 over S | O = alpha * O + P V (WMMA, O in registers).
-// The next tile's global loads are issued before the math of the current one (register
-// staging, kv_tile.h). The split writes fp16 out directly (num_splits == 1) or fp32 partials
-// (row max, row sum, unnormalised O) for combine.cuh.
+//   N / 4 lanes per row) -> P fp16 over S | O = alpha * O + P V (WMMA, O in registers).
+// Four barriers per tile. The next tile's global loads are issued before the math of the
+// current one (register staging, kv_tile.h). The split writes fp16 out directly
+// (num_splits == 1) or fp32 partials (row max, row sum, unnormalised O) for combine.cuh.
+// D is permuted within groups of 4 in shared memory (Q, K, V and O alike; e4m3.h).
 //
 // Few rows (decode, G * Q <= 16) use this same kernel with the rows padded to 16: padding
 // costs tensor-core work only (32 flop per KV byte; SM70 has ~139 flop/byte of fp16 tensor

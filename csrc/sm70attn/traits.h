@@ -10,8 +10,9 @@ namespace sm70attn {
 __host__ __device__ constexpr int attn_max_row_blocks(int d) { return d == 256 ? 4 : 8; }
 
 // KV tokens per tile. 32 (four tokens per softmax lane, 8 lanes per row) keeps the fp16 K+V
-// tiles at 9/17/34 KB for D=64/128/256 so several CTAs share an SM; the register-staged e4m3 tile (4/8/16 KB per
-// CTA in flight) covers V100's ~7 KB per SM of bandwidth x latency. D=64 with few rows takes 64.
+// tiles at 9/17/34 KB for D=64/128/256 so several CTAs share an SM; the register-staged e4m3
+// tile (4/8/16 KB per CTA in flight) covers V100's ~7 KB per SM of bandwidth x latency. D=64
+// with few rows takes 64.
 __host__ __device__ constexpr int attn_tile_tokens(int d, int mb) { return d == 64 && mb <= 2 ? 64 : 32; }
 
 // Warps sharing one 16-row block: the CTA has MB * WN warps; warp w owns row block w / WN
