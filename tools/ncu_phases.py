@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Where an attention kernel's instructions go: ncu's per-SASS-instruction counts, summed by
+phase of the kernel source (the per-phase table in docs/perf.md).
+
+    # on the GPU machine (see tools/profile_cells.py for the cells):
+    ncu --import-source yes --section SourceCounters --section WarpStateStats \\
+        -k regex:paged -o prof python tools/profile_cells.py --reps 1
+    ncu -i prof.ncu-rep --page source --csv --print-source sass > src.csv
+    # anywhere with nvcc and nvdisasm of the same CUDA version as the build that was profiled:
+    python tools/ncu_phases.py src.csv --arch sm_90a --warp-tiles 16384 393216
+
+ncu reports SASS addresses; nvdisasm -g of the same kernels, compiled here with the flags of
+the JIT build, maps them to source lines (every instruction's opcode is compared: a different
+compiler or flags is an error, not a silent misattribution). Phases come from the comments
+that open each block of csrc/sm70attn/paged_attention.cuh; instructions inlined from other
+headers count with the kernel line before them, except e4m3.h (conversion) and kv_tile.h.
+--warp-tiles: per profiled attention kernel, (warps per CTA) x (32-token tiles it processed),
+to print counts per warp per tile; without it, fractions only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL = ROOT / "csrc" / "sm70attn" / "paged_attention.cuh"
+# (phase, comment that opens it in paged_attention.cuh), in source order
+ANCHORS = [
+    ("loop", "for (int t0 = t_begin"),
+    ("qk", "// S = Q K^T"),
+    ("softmax", "// Online softmax"),
+    ("pv", "// O = alpha * O + P V"),
+    ("epilogue", "// Epilogue"),
+]
+FLAGS = [
+    "-O3",
+    "--expt-relaxed-constexpr",
+    "-lineinfo",
+    "-std=c++17",
+    "-D__CUDA_NO_HALF_OPERATORS__",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
+]
+INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+LINE = re.compile(r'File "(.*?)", line (\d+)')
+
+
+def opcode(sass: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", sass.strip()).split()[0].split(".")[0]
+
+
+def read_ncu_csv(text: str) -> list[dict]:
+    """Kernels of an ncu source-page CSV: name, header and rows, in report order."""
+    kernels, cur = [], None
+    for row in csv.reader(text.splitlines()):
+        if not row:
+            continue
+        if row[0] == "Kernel Name":
+            cur = {"name": row[1], "rows": []}
+            kernels.append(cur)
+        elif row[0] == "Address" and cur is not None:
+            cur["header"] = row
+        elif cur is not None and "header" in cur:
+            cur["rows"].append(row)
+    return kernels
+
+
+def read_disasm(text: str) -> dict[int, tuple[str, int, str]]:
+    """nvdisasm -g output of one function: offset -> (file name, line, opcode)."""
+    where, out = ("?", 0), {}
+    for line in text.splitlines():
+        m = LINE.search(line)
+        if m:
+            where = (Path(m.group(1)).name, int(m.group(2)))
+            continue
+        m = INSTR.match(line)
+        if m:
+            out[int(m.group(1), 16)] = (*where, opcode(m.group(2)))
+    return out
+
+
+def phase_starts(source: str) -> list[tuple[int, str]]:
+    lines = source.splitlines()
+    starts = [(0, "prologue")]
+    for name, anchor in ANCHORS:
+        hits = [i + 1 for i, text in enumerate(lines) if anchor in text]
+        if len(hits) != 1:
+            raise SystemExit(f"anchor {anchor!r} found {len(hits)} times in {KERNEL.name}")
+        starts.append((hits[0], name))
+    if [s for s, _ in starts] != sorted(s for s, _ in starts):
+        raise SystemExit("phase anchors out of order")
+    return starts
+
+
+def classify(file: str, line: int, starts: list[tuple[int, str]]) -> str | None:
+    if file == "e4m3.h":
+        return "convert"
+    if file == "kv_tile.h":
+        return "kv gather/store"
+    if file != KERNEL.name:
+        return None
+    return [name for s, name in starts if s <= line][-1]
+
+
+def attribute(
+    kernel: dict, disasm: dict, starts
+) -> tuple[collections.Counter, collections.Counter, int]:
+    """Executed warp-instructions and stall samples per phase; number of opcode mismatches."""
+    h = kernel["header"]
+    ie, ss = h.index("Instructions Executed"), h.index("Warp Stall Sampling (All Samples)")
+    base = int(kernel["rows"][0][0], 16)
+    instr, stalls, mismatch, last = collections.Counter(), collections.Counter(), 0, "prologue"
+    for row in kernel["rows"]:
+        off = int(row[0], 16) - base
+        file, line, op = disasm.get(off, ("?", 0, ""))
+        mismatch += op != opcode(row[1])
+        ph = classify(file, line, starts)
+        if ph is None:
+            ph = last
+        elif file == KERNEL.name:
+            last = ph
+        instr[ph] += int(row[ie] or 0)
+        stalls[ph] += int(row[ss] or 0)
+    return instr, stalls, mismatch
+
+
+def stall_reasons(kernel: dict) -> collections.Counter:
+    h = kernel["header"]
+    cols = [i for i, c in enumerate(h) if c.startswith("stall_") and "Not Issued" not in c]
+    out = collections.Counter()
+    for row in kernel["rows"]:
+        for i in cols:
+            out[h[i][6:]] += int(row[i] or 0)
+    return out
+
+
+def traits_of(name: str) -> tuple[int, int, int]:
+    m = re.search(r"AttnTraits<\(int\)(\d+), \(int\)(\d+), \(int\)(\d+)>", name)
+    if not m:
+        raise SystemExit(f"not an attention kernel: {name}")
+    return tuple(int(x) for x in m.groups())
+
+
+def disassemble(traits, arch: str, tools: Path | None, work: Path) -> str:
+    d, mb, vec = traits
+    src = work / f"k{d}_{mb}_{vec}.cu"
+    src.write_text(
+        '#include "sm70attn/paged_attention.cuh"\n'
+        f"template __global__ void sm70attn::paged_attention_kernel<sm70attn::AttnTraits<{d}, {mb}, {vec}>>"
+        "(sm70attn::PagedAttnParams);\n"
+    )
+    exe = lambda n: str(tools / n) if tools else (shutil.which(n) or n)  # noqa: E731
+    cubin = src.with_suffix(".cubin")
+    subprocess.run(
+        [
+            exe("nvcc"),
+            f"-arch={arch}",
+            "-cubin",
+            *FLAGS,
+            "-I",
+            str(ROOT / "csrc"),
+            str(src),
+            "-o",
+            str(cubin),
+        ],
+        check=True,
+    )
+    return subprocess.run(
+        [exe("nvdisasm"), "-g", "-c", str(cubin)], check=True, capture_output=True, text=True
+    ).stdout
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("csv", help="ncu -i REP --page source --csv --print-source sass")
+    ap.add_argument("--arch", default="sm_90a", help="the profiled GPU's arch (default sm_90a)")
+    ap.add_argument(
+        "--warp-tiles",
+        type=float,
+        nargs="*",
+        default=[],
+        help="per attention kernel in the CSV: warps per CTA x tiles processed",
+    )
+    ap.add_argument("--tools", type=Path, help="folder holding nvcc and nvdisasm (default: PATH)")
+    a = ap.parse_args(argv)
+    kernels, prev = [], None
+    for k in read_ncu_csv(Path(a.csv).read_text()):
+        if "paged_attention_kernel" in k["name"] and k != prev:  # ncu may print a launch twice
+            kernels.append(k)
+        prev = k
+    starts = phase_starts(KERNEL.read_text())
+    names = [s[1] for s in starts] + ["convert", "kv gather/store"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for n, k in enumerate(kernels):
+            instr, stalls, mism = attribute(
+                k,
+                read_disasm(disassemble(traits_of(k["name"]), a.arch, a.tools, Path(tmp))),
+                starts,
+            )
+            if mism:
+                raise SystemExit(
+                    f"{mism} SASS opcodes differ from the profiled build: other compiler or flags"
+                )
+            total, tot_st = sum(instr.values()), sum(stalls.values()) or 1
+            wt = a.warp_tiles[n] if n < len(a.warp_tiles) else None
+            print(f"\n{k['name'][:100]}\n")
+            print(
+                "| phase | warp-instructions"
+                + (" per warp-tile" if wt else "")
+                + " | % | % of stall samples |"
+            )
+            print("|---|---|---|---|")
+            for ph in names:
+                v = instr[ph] / wt if wt else instr[ph]
+                print(
+                    f"| {ph} | {v:.0f} | {100 * instr[ph] / total:.1f} | {100 * stalls[ph] / tot_st:.1f} |"
+                )
+            print(f"| total | {total / wt if wt else total:.0f} | 100 | 100 |")
+            sr = stall_reasons(k)
+            s = sum(sr.values()) or 1
+            print(
+                "\nstall reasons: "
+                + ", ".join(f"{r} {100 * v / s:.0f}%" for r, v in sr.most_common(8))
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
