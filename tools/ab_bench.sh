@@ -11,7 +11,11 @@ set -uo pipefail
 out=${1:?usage: tools/ab_bench.sh LOGDIR TREE [TREE...] -- [bench.py arguments]}
 shift
 trees=()
-while [ $# -gt 0 ] && [ "$1" != "--" ]; do trees+=("$(cd "$1" && pwd)"); shift; done
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+  d=$(cd "$1" 2>/dev/null && pwd) || { echo "no such tree: $1" >&2; exit 2; }
+  trees+=("$d")
+  shift
+done
 [ $# -gt 0 ] && shift
 [ ${#trees[@]} -gt 0 ] || { echo "no trees given" >&2; exit 2; }
 mkdir -p "$out"

@@ -14,8 +14,9 @@ the JIT build, maps them to source lines (every instruction's opcode is compared
 compiler or flags is an error, not a silent misattribution). Phases come from the comments
 that open each block of csrc/sm70attn/paged_attention.cuh; instructions inlined from other
 headers count with the kernel line before them, except e4m3.h (conversion) and kv_tile.h.
---warp-tiles: per profiled attention kernel, (warps per CTA) x (32-token tiles it processed),
-to print counts per warp per tile; without it, fractions only.
+--warp-tiles: per profiled attention kernel, (warps per CTA) x (tiles it processed: 32 tokens,
+64 for D = 64 with at most 32 rows), to print counts per warp per tile; without it, fractions
+only.
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ namespace sm70attn {
 // b0, b2, b1, b3: D is permuted within each group of 4 (a permutation that is its own inverse;
 // the kernel permutes Q the same way and un-permutes O). fp16 bits = (b & 0x80) << 8 |
 // (b & 0x7F) << 7: the e4m3 exponent field lands in the fp16 exponent with bias 15 - 7 = 8 too
-// few, i.e. every value is scaled by 2^-8 exactly; e4m3 subnormals become fp16 normals. Callers
-// fold 2^8 into their scales. Every byte decodes to a finite fp16; the NaN code 0x7F maps to
-// 1.875 (480 after the fold): NaN stored in the cache is not propagated. The odd bytes sit where
-// a 1-bit shift puts them, the even ones after 8 more bits: 7 instructions, no byte permutes.
+// few, i.e. every value is scaled by 2^-8 exactly (the e4m3 subnormals m * 2^-9 become the fp16
+// subnormals m * 2^-17). Callers fold 2^8 into their scales. Every byte decodes to a finite
+// fp16; the NaN code 0x7F maps to 1.875 (480 after the fold): NaN stored in the cache is not
+// propagated. The odd bytes sit where a 1-bit shift puts them, the even ones after 8 more bits:
+// 7 instructions, no byte permutes.
 // lo = fp16 pair (b0, b2), hi = (b1, b3), low half first.
 __device__ __forceinline__ void e4m3x4_to_half4(unsigned x, unsigned& lo, unsigned& hi) {
   hi = (x & 0x80008000u) | ((x >> 1) & 0x3F803F80u);

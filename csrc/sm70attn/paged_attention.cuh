@@ -181,8 +181,8 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     // Online softmax, fp32, RPP rows per warp pass (rows as set up before the loop), one
     // log2(LPR)-step shuffle reduction for all of them. Tokens on invalid pages are masked like
     // future ones; a padding row sees nothing, so its P and alpha come out 0 and its O stays 0.
-    // `moved`: whether any row of the warp changed its max (alpha != 1), so PV can skip
-    // rescaling O when none did.
+    // `moved`: whether any real row of the warp has alpha != 1 (its max moved, or it has seen
+    // no token yet: alpha = 0), so PV can skip rescaling O when none has.
     {
       int ok[4];
       ld_vec(ok, tok_ok + gl * 4);
@@ -247,7 +247,8 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     {
       // Rows of O scale by alpha: the alpha tile is loaded as an accumulator fragment, so its
       // elements line up with O's whatever the (opaque) fragment layout.
-      // Skipped when no row of the block moved its max (every alpha is 1: bitwise the same).
+      // Skipped when no warp of the block flagged a row: then every alpha is 1, or 0 on padding
+      // rows whose O is 0, so skipping is bitwise the same.
       if (any_byte<WN>(moved + mblk * WN)) {
         FragC a;
         wmma::load_matrix_sync(a, As + mblk * 16 * KT::SLD, KT::SLD, wmma::mem_row_major);

@@ -78,8 +78,9 @@ struct AttnTraits {
   static constexpr int WANT_BLOCKS = MB == 1 && FIT_BLOCKS < 3 ? 3 : FIT_BLOCKS;
   static constexpr int MIN_BLOCKS = WANT_BLOCKS < REG_BLOCKS ? WANT_BLOCKS : REG_BLOCKS;
   // A register budget 65536 / (THREADS * MIN_BLOCKS) of >= 160 (ROOMY) lets the QK^T loop over
-  // the D slices unroll fully (constant shared-memory offsets; else by 4) and the softmax keep
-  // its row state in registers (else shared memory): no spills on SM70 either way.
+  // the D slices unroll fully (constant shared-memory offsets; else by 4) and, with at most two
+  // softmax passes per warp, the softmax keep its row state in registers (else shared memory):
+  // no spills on SM70 either way.
   static constexpr bool ROOMY = 65536 / (THREADS * MIN_BLOCKS) >= 160;
   static constexpr int QK_UNROLL = ROOMY ? DPK : 4;
 
