@@ -49,7 +49,7 @@ struct AttnTraits {
   // KV gather: a tile is N rows of D bytes; CPT chunks of VEC bytes per row.
   // TPK threads per token (a power of two dividing CPT, at most THREADS / N), each loading LPT
   // chunks of its token; the first ACTIVE = N * TPK threads gather.
-  static constexpr int CPT = D / VEC, CHUNKS = N * CPT;
+  static constexpr int CPT = D / VEC;
   static constexpr int TPK = pow2_floor(THREADS / N < CPT ? THREADS / N : CPT);
   static constexpr int LPT = CPT / TPK, ACTIVE = N * TPK;  // loads per thread per tensor
 

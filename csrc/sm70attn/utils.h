@@ -41,31 +41,21 @@ __host__ __device__ __forceinline__ int fastdiv(int n, FastDiv f) {
   return (int)((hi + (unsigned)n) >> f.l);
 }
 
-// One shared-memory access per lane for 2 or 4 adjacent elements (p aligned to the access).
-__device__ __forceinline__ void ld_vec(float (&d)[2], const float* p) {
-  const float2 v = *reinterpret_cast<const float2*>(p);
-  d[0] = v.x, d[1] = v.y;
-}
+// One 16-byte shared-memory access per lane for 4 adjacent elements (p aligned to 16 bytes).
 __device__ __forceinline__ void ld_vec(float (&d)[4], const float* p) {
   const float4 v = *reinterpret_cast<const float4*>(p);
   d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
-}
-__device__ __forceinline__ void ld_vec(int (&d)[2], const int* p) {
-  const int2 v = *reinterpret_cast<const int2*>(p);
-  d[0] = v.x, d[1] = v.y;
 }
 __device__ __forceinline__ void ld_vec(int (&d)[4], const int* p) {
   const int4 v = *reinterpret_cast<const int4*>(p);
   d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
 }
 
-// Whether any of the W bytes at f (aligned to W, W a power of two <= 8) is nonzero: one load.
+// Whether any of the W bytes at f (aligned to W; W = 1, 2 or 4: warps per row block) is
+// nonzero: one load.
 template <int W>
 __device__ __forceinline__ bool any_byte(const unsigned char* f) {
-  if (W == 8) {
-    const uint2 x = *reinterpret_cast<const uint2*>(f);
-    return (x.x | x.y) != 0u;
-  }
+  static_assert(W == 1 || W == 2 || W == 4, "byte count");
   if (W == 4) return *reinterpret_cast<const unsigned*>(f) != 0u;
   if (W == 2) return *reinterpret_cast<const unsigned short*>(f) != 0;
   return *f != 0;
@@ -78,10 +68,7 @@ __device__ __forceinline__ unsigned pack_half2(float a, float b) {
          ((unsigned)__half_as_ushort(__float2half_rn(b)) << 16);
 }
 
-// 2 or 4 floats -> fp16 (round to nearest even), one shared-memory store.
-__device__ __forceinline__ void st_half_vec(__half* p, const float (&v)[2]) {
-  *reinterpret_cast<unsigned*>(p) = pack_half2(v[0], v[1]);
-}
+// 4 floats -> fp16 (round to nearest even), one 8-byte shared-memory store.
 __device__ __forceinline__ void st_half_vec(__half* p, const float (&v)[4]) {
   *reinterpret_cast<uint2*>(p) = make_uint2(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]));
 }
