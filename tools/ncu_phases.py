@@ -10,8 +10,9 @@ phase of the kernel source (the per-phase table in docs/perf.md).
     python tools/ncu_phases.py src.csv --arch sm_90a --warp-tiles 16384 393216
 
 ncu reports SASS addresses; nvdisasm -g of the same kernels, compiled here with the flags of
-the JIT build, maps them to source lines (every instruction's opcode is compared: a different
-compiler or flags is an error, not a silent misattribution). Phases come from the comments
+the JIT build (torch_sm70attn._jit.CUDA_FLAGS and torch's nvcc flags), maps them to source
+lines (every instruction's opcode is compared: a different compiler or flags is an error, not
+a silent misattribution). Phases come from the comments
 that open each block of csrc/sm70attn/paged_attention.cuh; instructions inlined from other
 headers count with the kernel line before them, except e4m3.h (conversion) and kv_tile.h.
 --warp-tiles: per profiled attention kernel, (warps per CTA) x (tiles it processed: 32 tokens,
@@ -32,6 +33,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # noqa: E402
+
+from torch_sm70attn._jit import CUDA_FLAGS  # noqa: E402
+
 KERNEL = ROOT / "csrc" / "sm70attn" / "paged_attention.cuh"
 # (phase, comment that opens it in paged_attention.cuh), in source order
 ANCHORS = [
@@ -40,15 +47,6 @@ ANCHORS = [
     ("softmax", "// Online softmax"),
     ("pv", "// O = alpha * O + P V"),
     ("epilogue", "// Epilogue"),
-]
-FLAGS = [
-    "-O3",
-    "--expt-relaxed-constexpr",
-    "-lineinfo",
-    "-std=c++17",
-    "-D__CUDA_NO_HALF_OPERATORS__",
-    "-D__CUDA_NO_HALF_CONVERSIONS__",
-    "-D__CUDA_NO_HALF2_OPERATORS__",
 ]
 INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 LINE = re.compile(r'File "(.*?)", line (\d+)')
@@ -160,12 +158,13 @@ def disassemble(traits, arch: str, tools: Path | None, work: Path) -> str:
     )
     exe = lambda n: str(tools / n) if tools else (shutil.which(n) or n)  # noqa: E731
     cubin = src.with_suffix(".cubin")
+    flags = [*dict.fromkeys([*CUDA_FLAGS, *COMMON_NVCC_FLAGS]), "-std=c++17"]  # the JIT build's
     subprocess.run(
         [
             exe("nvcc"),
             f"-arch={arch}",
             "-cubin",
-            *FLAGS,
+            *flags,
             "-I",
             str(ROOT / "csrc"),
             str(src),
