@@ -102,6 +102,16 @@ std::vector<double> reference(const Problem& p) {
   return out;
 }
 
+// Every CTA of a grid, one after another, each on shared memory poisoned with NaN bytes.
+template <class F>
+void launch(dim3 grid, int threads, F kernel) {
+  for (unsigned y = 0; y < grid.y; ++y)
+    for (unsigned x = 0; x < grid.x; ++x) {
+      memset(smem, 0xFF, sizeof smem);
+      emu::run_block(dim3(x, y), grid, threads, kernel);
+    }
+}
+
 static bool g_q_misaligned = false;
 static int g_ctas_per_sm = 2;
 std::vector<unsigned short> run(Problem& p, int num_sms, int* splits_out = nullptr, int force_splits = 0) {
@@ -141,23 +151,13 @@ std::vector<unsigned short> run(Problem& p, int num_sms, int* splits_out = nullp
   bool found = attn_switch(p.D, plan.mb, vec, [&](auto kt) {
     using KT = decltype(kt);
     static_assert(KT::SMEM_BYTES <= sizeof(smem), "");
-    dim3 grid(p.B * p.H_kv * plan.row_groups, plan.num_splits);
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        memset(smem, 0xFF, sizeof smem);  // NaN garbage
-        emu::run_block(dim3(x, y), grid, KT::THREADS, [&] { paged_attention_kernel<KT>(a); });
-      }
+    launch(dim3(p.B * p.H_kv * plan.row_groups, plan.num_splits), KT::THREADS, [&] { paged_attention_kernel<KT>(a); });
   });
   if (!found) { fprintf(stderr, "no kernel for D%d MB%d VEC%d\n", p.D, plan.mb, vec); abort(); }
   if (plan.num_splits > 1)
     combine_switch(p.D, [&](auto ct) {
       using CT = decltype(ct);
-      dim3 grid((unsigned)((i64)p.B * p.H_q * p.Q), CT::D / CT::CW);
-      for (unsigned y = 0; y < grid.y; ++y)
-        for (unsigned x = 0; x < grid.x; ++x) {
-          memset(smem, 0xFF, sizeof smem);
-          emu::run_block(dim3(x, y), grid, CT::THREADS, [&] { combine_kernel<CT>(a); });
-        }
+      launch(dim3((unsigned)((i64)p.B * p.H_q * p.Q), CT::D / CT::CW), CT::THREADS, [&] { combine_kernel<CT>(a); });
     });
   delete qv; delete kv; delete bt; delete sl; delete ks; delete vs;
   return out;
@@ -303,42 +303,33 @@ int main(int argc, char** argv) {
     }
   }
   if (want("determinism")) {  // random schedules, batch vs alone: bitwise
+    // Two schedules of the batch give the same bits, and so does each request run alone.
+    auto check_det = [&](Problem& p, int num_sms, unsigned seed1, unsigned seed2, bool& same, bool& alone_ok) {
+      emu::rng.seed(seed1);
+      const auto o1 = run(p, num_sms);
+      emu::rng.seed(seed2);
+      same &= o1 == run(p, num_sms);
+      const size_t per_b = (size_t)p.H_q * p.Q * p.D;
+      for (int b = 0; b < p.B; ++b) {
+        Problem s = p;
+        s.B = 1;
+        s.seq_lens = {p.seq_lens[b]};
+        s.block_table.assign(p.block_table.begin() + b * p.max_pages, p.block_table.begin() + (b + 1) * p.max_pages);
+        s.q.assign(p.q.begin() + b * per_b, p.q.begin() + (b + 1) * per_b);
+        const auto os = run(s, num_sms);
+        alone_ok &= std::equal(os.begin(), os.end(), o1.begin() + b * per_b);
+      }
+    };
+    bool same = true, alone_ok = true;
     Problem p = make(3, 8, 2, 4, 128, 16, 60, 16, 0, true);
     p.seq_lens = {200, 31, 256};
-    emu::rng.seed(7);
-    auto o1 = run(p, 12);
-    emu::rng.seed(99);
-    auto o2 = run(p, 12);
-    bool same = o1 == o2, alone_ok = true;
-    for (int b = 0; b < p.B; ++b) {
-      Problem s = p;
-      s.B = 1;
-      s.seq_lens = {p.seq_lens[b]};
-      s.block_table.assign(p.block_table.begin() + b * p.max_pages, p.block_table.begin() + (b + 1) * p.max_pages);
-      s.q.assign(p.q.begin() + (size_t)b * p.Q * p.H_q * p.D, p.q.begin() + (size_t)(b + 1) * p.Q * p.H_q * p.D);
-      auto os = run(s, 12);
-      alone_ok &= std::equal(os.begin(), os.end(), o1.begin() + (size_t)b * p.H_q * p.Q * p.D);
-    }
-    {  // again with many splits (combine batches) and the decode plan at 3 CTAs per SM
-      g_ctas_per_sm = 3;
-      Problem d = make(3, 6, 1, 1, 256, 1648, 8, 3, 0, false);
-      d.seq_lens = {4000, 1, 2500};
-      emu::rng.seed(5);
-      auto d1 = run(d, 132);
-      emu::rng.seed(77);
-      auto d2 = run(d, 132);
-      same &= d1 == d2;
-      for (int b = 0; b < d.B; ++b) {
-        Problem s1 = d;
-        s1.B = 1;
-        s1.seq_lens = {d.seq_lens[b]};
-        s1.block_table.assign(d.block_table.begin() + b * d.max_pages, d.block_table.begin() + (b + 1) * d.max_pages);
-        s1.q.assign(d.q.begin() + (size_t)b * d.Q * d.H_q * d.D, d.q.begin() + (size_t)(b + 1) * d.Q * d.H_q * d.D);
-        auto os = run(s1, 132);
-        alone_ok &= std::equal(os.begin(), os.end(), d1.begin() + (size_t)b * d.H_q * d.Q * d.D);
-      }
-      g_ctas_per_sm = 2;
-    }
+    check_det(p, 12, 7, 99, same, alone_ok);
+    // again with many splits (combine batches) and the decode plan at 3 CTAs per SM
+    g_ctas_per_sm = 3;
+    Problem d = make(3, 6, 1, 1, 256, 1648, 8, 3, 0, false);
+    d.seq_lens = {4000, 1, 2500};
+    check_det(d, 132, 5, 77, same, alone_ok);
+    g_ctas_per_sm = 2;
     failures += !(same && alone_ok);
     printf("determinism: schedules %s, batch vs alone %s\n", same ? "same" : "DIFFER", alone_ok ? "same" : "DIFFER");
   }
