@@ -55,7 +55,7 @@ struct KvStage {
     const int t = t0 + token(tid);
     ok = false;
     if ((KT::ACTIVE == KT::THREADS || tid < KT::ACTIVE) && t < t_end) {
-      const int pi = fastdiv(t, FastDiv{p.page_div_m, p.page_div_l});  // < max_pages: t < t_end <= capacity
+      const int pi = fastdiv(t, p.div_page);  // < max_pages: t < t_end <= capacity
       const int page = __ldg(bt + pi);
       if (page >= 0 && page < p.num_pages) {
         const i64 off = t - pi * p.page_size;

@@ -20,7 +20,7 @@ namespace sm70attn {
 inline cudaError_t launch_paged_attention(const PagedAttnParams& params, int mb, int vec,
                                           cudaStream_t stream) {
   PagedAttnParams p = params;
-  set_page_divisor(p);
+  set_divisors(p);
   cudaError_t err = cudaErrorInvalidValue;
   attn_switch(p.D, mb, vec, [&](auto kt) {
     using KT = decltype(kt);

@@ -5,8 +5,8 @@
 // every KV byte is read once per row group; all shapes we build for have one row group except
 // D=256 with G * Q > 64. Per tile of N tokens:
 //   gather+dequant K,V -> smem fp16 | S = Q K^T (WMMA) -> smem fp32 | online softmax (fp32,
-//   N / 4 lanes per row) -> P fp16 over S | O = alpha * O + P V (WMMA, O in registers).
-// Four barriers per tile. The next tile's global loads are issued before the math of the
+//   8 lanes per row) -> P fp16 over S | O = alpha * O + P V (WMMA, O in registers).
+// Four barriers per tile; five where S shares the K tile's memory (traits.h: S_ALIAS). The next tile's global loads are issued before the math of the
 // current one (register staging, kv_tile.h). The split writes fp16 out directly
 // (num_splits == 1) or fp32 partials (row max, row sum, unnormalised O) for combine.cuh.
 // D is permuted within groups of 4 in shared memory (Q, K, V and O alike; e4m3.h).
@@ -53,8 +53,8 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int mblk = warp / WN, wn = warp % WN;  // this warp's 16-row block and column share
 
-  const int rg = blockIdx.x % p.row_groups, bkv = blockIdx.x / p.row_groups;
-  const int kvh = bkv % p.H_kv, b = bkv / p.H_kv, split = blockIdx.y;
+  const int bkv = fastdiv(blockIdx.x, p.div_rg), rg = blockIdx.x - bkv * p.row_groups;
+  const int b = fastdiv(bkv, p.div_hkv), kvh = bkv - b * p.H_kv, split = blockIdx.y;
   const int row0 = rg * ROWS, nrows = min(ROWS, p.rows - row0);
   const i64 out_row0 = ((i64)b * p.H_q + (i64)kvh * p.G) * p.Q + row0;  // [B*H_q*Q] row index
 
@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   // the actual length while the grid depends on shapes only. Lengths are clamped to capacity.
   const int capacity = p.max_pages * p.page_size;
   const int len = min(max(p.seq_lens[b * p.seq_lens_stride], 0), capacity);
-  const int chunk = ((len + p.num_splits - 1) / p.num_splits + N - 1) / N * N;
+  const int chunk = (fastdiv(len + p.num_splits - 1, p.div_splits) + N - 1) / N * N;
   const int t_begin = (int)min((i64)len, (i64)split * chunk);
   const int t_end = min(len, t_begin + chunk);
 
@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     const int lr = c / (D / 8), part = c % (D / 8);
     uint4 x = make_uint4(0u, 0u, 0u, 0u);
     if (lr < nrows) {
-      const int m = row0 + lr, g = m / p.Q, r = m - g * p.Q;
+      const int m = row0 + lr, g = fastdiv(m, p.div_q), r = m - g * p.Q;
       const __half* src = p.q + b * p.q_stride_b + (i64)(kvh * p.G + g) * p.q_stride_h +
                           r * p.q_stride_r + part * 8;
       if (p.q_vec16) {
@@ -116,23 +116,30 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   const unsigned char* vb = p.v + kvh * p.v_stride_head + part0;
   const int* bt = p.block_table + b * p.bt_stride_b;
 
-  // Softmax rows of this warp, RPP per pass: lane group g (LPR = N / 4 lanes) of pass k owns row
-  // lr = mblk * 16 + wn + (k * RPP + g) * WN and takes its 4 adjacent tokens j = 4 gl + c of
-  // each tile (gl: lane in group; one 16-byte load per lane). `last` is the last token a row may
-  // see (t <= len - Q + r; padding rows see none). With at most two passes and registers to
-  // spare (every shape we tune for) the row's running max and sum and `last` live in registers
-  // of its lane group; otherwise in shared memory (registers would spill).
-  constexpr int LPR = N / 4, RPP = 32 / LPR, PASSES = 16 / WN / RPP;
-  static_assert(PASSES >= 1 && 16 / WN % RPP == 0, "softmax rows per warp");
+  // Softmax rows of this warp: the RPW = 16 / WN consecutive rows from mblk * 16 + wn * RPW, RPP
+  // per pass. Lane group grp (LPR = 8 lanes) of pass k owns row lr = row_of(k) and takes the
+  // tokens j = 4 (gl + LPR h) + c of each tile (h < TPL / 4, c < 4; gl: lane in group; one
+  // 16-byte load per lane and h). Consecutive rows let a warp whose rows are all padding (decode:
+  // G * Q < 16) skip the pass. `last` is the last token a row may see (t <= len - Q + r; padding
+  // rows see none). With at most two passes and registers to spare (every shape we tune for)
+  // the row's running max and sum and `last` live in registers of its lane group; otherwise in
+  // shared memory (registers would spill).
+  constexpr int LPR = 8, TPL = N / LPR, H = TPL / 4, RPP = 32 / LPR, RPW = 16 / WN, PASSES = RPW / RPP;
+  static_assert(PASSES >= 1 && RPW % RPP == 0 && TPL % 4 == 0, "softmax rows per warp");
   constexpr bool REGS = PASSES <= 2 && KT::ROOMY;
   constexpr int RP = REGS ? PASSES : 1;
   const int grp = lane / LPR, gl = lane % LPR;
-  auto row_last = [&](int lr) { return lr < nrows ? len - p.Q + (row0 + lr) % p.Q : -1; };
+  const int wrow0 = mblk * 16 + wn * RPW;  // the warp's first softmax row
+  auto row_of = [&](int k) { return wrow0 + k * RPP + grp; };
+  auto row_last = [&](int lr) {
+    const int m = row0 + lr;
+    return lr < nrows ? len - p.Q + m - fastdiv(m, p.div_q) * p.Q : -1;
+  };
   int last[RP];
   float m_run[RP], l_run[RP];
 #pragma unroll
   for (int k = 0; k < RP; ++k) {
-    last[k] = row_last(mblk * 16 + wn + (k * RPP + grp) * WN);
+    last[k] = row_last(row_of(k));
     m_run[k] = neg_inf(), l_run[k] = 0.f;
   }
   if (!REGS) {
@@ -171,6 +178,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
         }
       }
       float* sd = Ss + ks * ROWS * KT::SLD + mblk * 16 * KT::SLD + wns * 16;
+      if (KT::S_ALIAS) __syncthreads();  // S overwrites the K tile: every warp is done with K
 #pragma unroll
       for (int k = 0; k < KT::SPW; ++k)
         if (KT::NB % KT::WNS == 0 || wns + k * KT::WNS < KT::NB)
@@ -184,36 +192,46 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     // `moved`: whether any real row of the warp has alpha != 1 (its max moved, or it has seen
     // no token yet: alpha = 0), so PV can skip rescaling O when none has.
     {
-      int ok[4];
-      ld_vec(ok, tok_ok + gl * 4);
+      int ok[H][4];
+#pragma unroll
+      for (int h = 0; h < H; ++h) ld_vec(ok[h], tok_ok + 4 * (gl + LPR * h));
       bool mv = false;
 #pragma unroll(REGS ? PASSES : 1)
       for (int k = 0; k < PASSES; ++k) {
-        const int lr = mblk * 16 + wn + (k * RPP + grp) * WN;
-        float s[4];
-        if (mblk * 16 + wn + k * RPP * WN >= nrows) {  // all rows padding (warp-uniform): P = 0, alpha = 0
+        const int lr = row_of(k);
+        float s[H][4];
+        if (wrow0 + k * RPP >= nrows) {  // all rows padding (warp-uniform): P = 0, alpha = 0
 #pragma unroll
-          for (int c = 0; c < 4; ++c) s[c] = 0.f;
-          st_half_vec(Ps + lr * KT::PLD + gl * 4, s);
+          for (int h = 0; h < H; ++h) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) s[h][c] = 0.f;
+            st_half_vec(Ps + lr * KT::PLD + 4 * (gl + LPR * h), s[h]);
+          }
 #pragma unroll
           for (int i = gl; i < 16; i += LPR) As[lr * KT::SLD + i] = 0.f;
           continue;
         }
-        const int lim = (REGS ? last[REGS ? k : 0] : row_last(lr)) - t0 - gl * 4;  // vs c
-        ld_vec(s, Ss + lr * KT::SLD + gl * 4);
+        const int lim = (REGS ? last[REGS ? k : 0] : row_last(lr)) - t0 - gl * 4;  // vs c + 4 LPR h
+#pragma unroll
+        for (int h = 0; h < H; ++h) ld_vec(s[h], Ss + lr * KT::SLD + 4 * (gl + LPR * h));
 #pragma unroll
         for (int q = 1; q < KT::KS; ++q) {  // partial scores, added in buffer order
-          float t[4];
-          ld_vec(t, Ss + q * ROWS * KT::SLD + lr * KT::SLD + gl * 4);
 #pragma unroll
-          for (int c = 0; c < 4; ++c) s[c] += t[c];
+          for (int h = 0; h < H; ++h) {
+            float t[4];
+            ld_vec(t, Ss + q * ROWS * KT::SLD + lr * KT::SLD + 4 * (gl + LPR * h));
+#pragma unroll
+            for (int c = 0; c < 4; ++c) s[h][c] += t[c];
+          }
         }
         float mx = neg_inf();
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          s[c] = (c <= lim && ok[c]) ? s[c] * sl2 : neg_inf();
-          mx = fmaxf(mx, s[c]);
-        }
+        for (int h = 0; h < H; ++h)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            s[h][c] = (c + 4 * LPR * h <= lim && ok[h][c]) ? s[h][c] * sl2 : neg_inf();
+            mx = fmaxf(mx, s[h][c]);
+          }
         mx = group_max<LPR>(mx);
         const float m_old = REGS ? m_run[REGS ? k : 0] : row_m[lr];
         const float l_old = REGS ? l_run[REGS ? k : 0] : row_l[lr];
@@ -222,11 +240,14 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
         __syncwarp();  // the rows' S values and state are read before P and state overwrite them
         float sum = 0.f;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          s[c] = exp2f(s[c] - m_use);
-          sum += s[c];
+        for (int h = 0; h < H; ++h) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            s[h][c] = exp2f(s[h][c] - m_use);
+            sum += s[h][c];
+          }
+          st_half_vec(Ps + lr * KT::PLD + 4 * (gl + LPR * h), s[h]);
         }
-        st_half_vec(Ps + lr * KT::PLD + gl * 4, s);
         sum = group_sum<LPR>(sum);
         const float alpha = exp2f(m_old - m_use);
 #pragma unroll
@@ -276,7 +297,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   if (REGS && gl == 0) {
 #pragma unroll
     for (int k = 0; k < RP; ++k) {
-      const int lr = mblk * 16 + wn + (k * RPP + grp) * WN;
+      const int lr = row_of(k);
       row_m[lr] = m_run[k], row_l[lr] = l_run[k];
     }
   }

@@ -8,6 +8,28 @@ namespace sm70attn {
 
 using i64 = long long;  // NVRTC has no <cstdint>
 
+// n / d for 0 <= n < 2^31 and a runtime divisor 1 <= d < 2^31 in three instructions
+// (Granlund-Montgomery, round-up multiplier with an add): l = ceil(log2 d),
+// m = floor(2^32 (2^l - d) / d) + 1, n / d = (umulhi(m, n) + n) >> l. Exact for every n < 2^32
+// when the sum is taken in 33 bits; n < 2^31 keeps it in 32 bits (umulhi(m, n) <= n).
+// The launcher computes (m, l) once per call (set_divisors in plan.h); the kernel reads them
+// from the params.
+struct FastDiv {
+  unsigned m, l;
+};
+
+__host__ __device__ inline FastDiv fastdiv_init(int divisor) {
+  const unsigned long long d = divisor > 0 ? (unsigned)divisor : 1u;
+  unsigned l = 0;
+  while ((1ull << l) < d) ++l;
+  return FastDiv{(unsigned)((((1ull << l) - d) << 32) / d + 1), l};
+}
+
+__host__ __device__ __forceinline__ int fastdiv(int n, FastDiv f) {
+  const unsigned hi = (unsigned)(((unsigned long long)f.m * (unsigned)n) >> 32);
+  return (int)((hi + (unsigned)n) >> f.l);
+}
+
 struct PagedAttnParams {
   const __half* q;  // [B, H_q, Q, D], last dim contiguous
   i64 q_stride_b, q_stride_h, q_stride_r;
@@ -27,7 +49,8 @@ struct PagedAttnParams {
   float2* part_ml;     // [B * H_q * Q, num_splits] (row max in log2 units, row sum)
   int B, H_q, H_kv, G, Q, D;
   int page_size, max_pages, num_pages;  // capacity = max_pages * page_size (fits in int)
-  unsigned page_div_m, page_div_l;  // t / page_size = fastdiv(t, {m, l}) (utils.h); set by the launcher
+  // Divisors of page_size, Q, H_kv, row_groups and num_splits: set by the launcher (set_divisors).
+  FastDiv div_page, div_q, div_hkv, div_rg, div_splits;
   int rows;        // G * Q: query rows sharing one KV head
   int row_groups;  // CTAs over the rows of one KV head (1 unless G * Q is too large for one CTA)
   int num_splits;  // context splits per (request, KV head, row group)

@@ -40,10 +40,11 @@ inline AttnPlan plan_paged_attention(int B, int H_q, int H_kv, int Q, int D, i64
   return pl;
 }
 
-// The page-size divisor the kernel uses for t / page_size (launch_paged_attention calls this).
-inline void set_page_divisor(PagedAttnParams& p) {
-  const FastDiv f = fastdiv_init(p.page_size);
-  p.page_div_m = f.m, p.page_div_l = f.l;
+// The divisors the kernel divides by (launch_paged_attention calls this, after the plan's
+// row_groups and num_splits are in p).
+inline void set_divisors(PagedAttnParams& p) {
+  p.div_page = fastdiv_init(p.page_size), p.div_q = fastdiv_init(p.Q), p.div_hkv = fastdiv_init(p.H_kv);
+  p.div_rg = fastdiv_init(p.row_groups), p.div_splits = fastdiv_init(p.num_splits);
 }
 
 // Where the plan's workspace goes in p (part_acc first, then part_ml).

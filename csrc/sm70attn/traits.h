@@ -9,11 +9,15 @@ namespace sm70attn {
 // the 96 KB of shared memory.
 __host__ __device__ constexpr int attn_max_row_blocks(int d) { return d == 256 ? 4 : 8; }
 
-// KV tokens per tile. 32 (four tokens per softmax lane, 8 lanes per row) keeps the fp16 K+V
-// tiles at 9/17/34 KB for D=64/128/256 so several CTAs share an SM; the register-staged e4m3
-// tile (4/8/16 KB per CTA in flight) covers V100's ~7 KB per SM of bandwidth x latency. D=64
-// with few rows takes 64.
-__host__ __device__ constexpr int attn_tile_tokens(int d, int mb) { return d == 64 && mb <= 2 ? 64 : 32; }
+// KV tokens per tile. 32 keeps the fp16 K+V tiles at 9/17/34 KB for D=64/128/256 so several
+// CTAs share an SM; the register-staged e4m3 tile (4/8/16 KB per CTA in flight) covers V100's
+// ~7 KB per SM of bandwidth x latency. D=64 with few rows takes 64, and so does D=256 verify
+// with 2-3 row blocks (one CTA per SM anyway): its per-tile costs (barriers, softmax row
+// reductions, the O rescale) are then paid once per 64 tokens, and S (which must share the K
+// tile's memory at MB = 3 to fit 96 KB) needs no partial buffers.
+__host__ __device__ constexpr int attn_tile_tokens(int d, int mb) {
+  return (d == 64 && mb <= 2) || (d == 256 && (mb == 2 || mb == 3)) ? 64 : 32;
+}
 
 // Warps sharing one 16-row block: the CTA has MB * WN warps; warp w owns row block w / WN
 // (its softmax rows and its output accumulators) and 1/WN of the S and O column tiles.
@@ -57,12 +61,17 @@ struct AttnTraits {
   // stride 16 bytes mod 128: conflict-free WMMA loads/stores. P (fp16) overwrites the first
   // half of each S (fp32) row in place, so its leading dim is 2 * SLD halves; the row's O
   // rescale factor, 16 copies, goes to floats [N/2, N/2 + 16) of the same row.
+  // S_ALIAS: the KS partial S buffers do not fit beside Q, K and V in 96 KB, so they take the
+  // K tile's place once every warp is done with K (one more barrier per tile; D256 MB3 only).
   static constexpr int QLD = D + 8, KLD = D + 8, SLD = N + 4, PLD = 2 * SLD, ELD = D + 4;
   static constexpr int Q_OFF = 0;
   static constexpr int K_OFF = Q_OFF + ROWS * QLD * 2;
   static constexpr int V_OFF = K_OFF + N * KLD * 2;
-  static constexpr int S_OFF = V_OFF + N * KLD * 2;
-  static constexpr int LOOP_BYTES = S_OFF + KS * ROWS * SLD * 4;  // KS partial S buffers
+  static constexpr int KV_END = V_OFF + N * KLD * 2;
+  static constexpr int S_BYTES = KS * ROWS * SLD * 4;  // KS partial S buffers
+  static constexpr bool S_ALIAS = KV_END + S_BYTES + 2 * ROWS * 4 + N * 4 + 16 > 96 * 1024;
+  static constexpr int S_OFF = S_ALIAS ? K_OFF : KV_END;
+  static constexpr int LOOP_BYTES = S_ALIAS ? KV_END : KV_END + S_BYTES;
   static constexpr int EPI_BYTES = ROWS * ELD * 4;  // fp32 O staged for the epilogue (aliases all above)
   static constexpr int ROW_OFF = LOOP_BYTES > EPI_BYTES ? LOOP_BYTES : EPI_BYTES;
   static constexpr int TOK_OFF = ROW_OFF + 2 * ROWS * 4;  // after row max, row sum
@@ -82,12 +91,13 @@ struct AttnTraits {
   // softmax passes per warp, the softmax keep its row state in registers (else shared memory):
   // no spills on SM70 either way.
   static constexpr bool ROOMY = 65536 / (THREADS * MIN_BLOCKS) >= 160;
-  static constexpr int QK_UNROLL = ROOMY ? DPK : 4;
+  static constexpr int QK_UNROLL = ROOMY ? (DPK > 8 && THREADS * MIN_BLOCKS > 256 ? 8 : DPK) : 4;
 
   static_assert(D == 64 || D == 128 || D == 256, "head dim");
   static_assert(MB >= 1 && MB <= attn_max_row_blocks(D), "row blocks");
   static_assert(VEC == 8 || VEC == 16, "load width");
-  static_assert(N == 32 || N == 64, "softmax: 4 adjacent tokens per lane, N / 4 lanes per row");
+  static_assert(N == 32 || N == 64, "softmax: 8 lanes per row, N / 8 tokens per lane");
+  static_assert(!S_ALIAS || S_BYTES <= N * KLD * 2, "S fits in the K tile");
   static_assert(16 % WN == 0 && DB % WN == 0, "row and column split over WN warps");
   static_assert(WN % KS == 0 && DB % KS == 0 && (KS == 1 || NB % WNS == 0), "QK^T split over D");
   static_assert(DPW <= 4, "fp32 O accumulators per thread (registers)");

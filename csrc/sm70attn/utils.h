@@ -20,27 +20,6 @@ __device__ __forceinline__ float group_sum(float x) {
   return x;
 }
 
-// n / d for 0 <= n < 2^31 and a runtime divisor 1 <= d < 2^31 in three instructions
-// (Granlund-Montgomery, round-up multiplier with an add): l = ceil(log2 d),
-// m = floor(2^32 (2^l - d) / d) + 1, n / d = (umulhi(m, n) + n) >> l. Exact for every n < 2^32
-// when the sum is taken in 33 bits; n < 2^31 keeps it in 32 bits (umulhi(m, n) <= n).
-// The host computes (m, l) once per call (fastdiv_init); the kernel reads them from the params.
-struct FastDiv {
-  unsigned m, l;
-};
-
-__host__ __device__ inline FastDiv fastdiv_init(int divisor) {
-  const unsigned long long d = divisor > 0 ? (unsigned)divisor : 1u;
-  unsigned l = 0;
-  while ((1ull << l) < d) ++l;
-  return FastDiv{(unsigned)((((1ull << l) - d) << 32) / d + 1), l};
-}
-
-__host__ __device__ __forceinline__ int fastdiv(int n, FastDiv f) {
-  const unsigned hi = (unsigned)(((unsigned long long)f.m * (unsigned)n) >> 32);
-  return (int)((hi + (unsigned)n) >> f.l);
-}
-
 // One 16-byte shared-memory access per lane for 4 adjacent elements (p aligned to 16 bytes).
 __device__ __forceinline__ void ld_vec(float (&d)[4], const float* p) {
   const float4 v = *reinterpret_cast<const float4*>(p);

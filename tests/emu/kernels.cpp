@@ -146,7 +146,7 @@ std::vector<unsigned short> run(Problem& p, int num_sms, int* splits_out = nullp
   a.scale_log2 = (float)(p.scale * 1.4426950408889634);
   a.q_vec16 = !g_q_misaligned;
   set_workspace(a, plan.workspace_floats ? ws.data() : nullptr);
-  set_page_divisor(a);
+  set_divisors(a);
   const int vec = (p.k_off % 16 == 0 && p.v_off % 16 == 0 && p.s_page % 16 == 0 && p.s_tok % 16 == 0 && p.s_head % 16 == 0) ? 16 : 8;
   bool found = attn_switch(p.D, plan.mb, vec, [&](auto kt) {
     using KT = decltype(kt);
