@@ -13,6 +13,7 @@ EMU = ROOT / "tests" / "emu"
 # Cases of kernels.cpp that take seconds each; the slower ones (splits, manysplits, allcfg,
 # fuzz) run by hand: see the head of kernels.cpp.
 CASES = [
+    "plan",
     "decode",
     "verify",
     "rowgroups",

@@ -23,7 +23,9 @@ struct AttnPlan {
 // Splits: one request fills the SMs with ctas_per_sm resident CTAs each (the kernel's occupancy
 // on this device, measured by the launcher: attn_ctas_per_sm; at least 2), each split at least
 // 4 tiles and 16 tokens per query row (the fp32 partials of a split stay well under its KV
-// bytes), at most 512. ctas_per_sm depends on (D, mb, VEC) and the device only.
+// bytes), at most 512. More than one wave of a request's CTAs (ctas_per_sm x num_sms of them)
+// is rounded down to whole waves: 1.3 waves of CTAs take as long as 2 of shorter ones, while
+// the SMs idle for 0.7. ctas_per_sm depends on (D, mb, VEC) and the device only.
 inline AttnPlan plan_paged_attention(int B, int H_q, int H_kv, int Q, int D, i64 capacity,
                                      int num_sms, int ctas_per_sm = 2) {
   AttnPlan pl;
@@ -35,7 +37,9 @@ inline AttnPlan plan_paged_attention(int B, int H_q, int H_kv, int Q, int D, i64
   const i64 per_request = (i64)H_kv * pl.row_groups;
   i64 splits = (std::max(ctas_per_sm, 2) * (i64)num_sms + per_request - 1) / per_request;
   splits = std::min(splits, std::max<i64>(1, capacity / min_split));
-  pl.num_splits = (int)std::max<i64>(1, std::min<i64>(splits, 512));
+  const i64 wave = std::max<i64>(1, std::max(ctas_per_sm, 1) * (i64)num_sms / per_request);
+  if (splits > wave) splits = splits / wave * wave;
+  pl.num_splits = (int)std::max<i64>(1, std::min<i64>(splits, attn_max_splits()));
   if (pl.num_splits > 1) pl.workspace_floats = (i64)B * H_q * Q * pl.num_splits * (D + 2);
   return pl;
 }

@@ -107,6 +107,9 @@ struct AttnTraits {
   static_assert(SMEM_BYTES <= 96 * 1024, "SM70 shared memory per block");
 };
 
+// Most context splits the plan makes (plan.h).
+__host__ __device__ constexpr int attn_max_splits() { return 512; }
+
 // Combine (split-K reduction): one CTA per (output row, 32 columns), a column per lane; its
 // WARPS warps share the splits with U loads in flight each.
 template <int D_>

@@ -191,6 +191,32 @@ void check(const char* name, Problem& p, int num_sms, int force_splits = 0) {
 int main(int argc, char** argv) {
   const char* only = argc > 1 ? argv[1] : "";
   auto want = [&](const char* n) { return strstr(n, only) != nullptr; };
+  if (want("plan")) {  // host plan over a grid of shapes: bounds, whole waves, B-independence
+    int bad = 0, n = 0;
+    for (int D : {64, 128, 256})
+      for (int G : {1, 4, 6, 8})
+        for (int Q : {1, 8, 16})
+          for (int H_kv : {1, 2, 4, 8})
+            for (i64 cap : {16LL, 1000LL, 8192LL, 32768LL, 131072LL, 262144LL})
+              for (int sms : {1, 7, 80, 132})
+                for (int cps : {1, 2, 3, 4}) {
+                  const AttnPlan a = plan_paged_attention(1, G * H_kv, H_kv, Q, D, cap, sms, cps);
+                  const AttnPlan b = plan_paged_attention(16, G * H_kv, H_kv, Q, D, cap, sms, cps);
+                  const i64 per_request = (i64)H_kv * a.row_groups;
+                  const i64 wave = std::max<i64>(1, std::max(cps, 1) * (i64)sms / per_request);
+                  const i64 rows = std::min(G * Q, 16 * a.mb);
+                  const i64 min_split = std::max<i64>(4 * attn_tile_tokens(D, a.mb), 16 * rows);
+                  const bool ok = a.mb == b.mb && a.row_groups == b.row_groups && a.num_splits == b.num_splits &&
+                                  a.num_splits >= 1 && a.num_splits <= attn_max_splits() &&
+                                  (a.num_splits == 1 || a.num_splits <= cap / min_split) &&
+                                  (a.num_splits <= wave || a.num_splits % wave == 0) &&
+                                  a.mb <= attn_max_row_blocks(D) && 16 * a.mb * a.row_groups >= G * Q &&
+                                  (a.num_splits > 1) == (b.workspace_floats > 0);
+                  bad += !ok, ++n;
+                }
+    printf("plan: %d shapes, %d bad %s\n", n, bad, bad ? "FAIL" : "ok");
+    failures += bad != 0;
+  }
   if (want("decode")) {  // D128 G4 Q1, random lengths incl. 0 and > capacity
     Problem p = make(3, 8, 2, 1, 128, 16, 40, 20, 0, true);
     p.seq_lens = {0, 157, 1000};
