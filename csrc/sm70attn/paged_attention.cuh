@@ -6,9 +6,10 @@
 // D=256 with G * Q > 64. Per tile of N tokens:
 //   gather+dequant K,V -> smem fp16 | S = Q K^T (WMMA) -> smem fp32 | online softmax (fp32,
 //   8 lanes per row) -> P fp16 over S | O = alpha * O + P V (WMMA, O in registers).
-// Four barriers per tile; five where S shares the K tile's memory (traits.h: S_ALIAS). The next tile's global loads are issued before the math of the
-// current one (register staging, kv_tile.h). The split writes fp16 out directly
-// (num_splits == 1) or fp32 partials (row max, row sum, unnormalised O) for combine.cuh.
+// Four barriers per tile; five where S shares the K tile's memory (traits.h: S_ALIAS). The
+// next tile's global loads are issued before the math of the current one (register staging,
+// kv_tile.h). The split writes fp16 out directly (num_splits == 1) or fp32 partials (row max,
+// row sum, unnormalised O) for combine.cuh.
 // D is permuted within groups of 4 in shared memory (Q, K, V and O alike; e4m3.h).
 //
 // Few rows (decode, G * Q <= 16) use this same kernel with the rows padded to 16: padding
