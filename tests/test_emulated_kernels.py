@@ -1,6 +1,7 @@
 """The CUDA attention and combine kernels of csrc/, emulated on the CPU (tests/emu/kernels.cpp):
 every traits configuration the shapes below reach, against an FP64 reference, with random
-thread schedules between barriers and AddressSanitizer on the global buffers."""
+thread schedules between barriers and AddressSanitizer on the global buffers; and the host
+launch plan (plan.h) over a grid of shapes."""
 
 import shutil
 import subprocess
