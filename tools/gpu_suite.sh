@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One GPU session in one command: build the CUDA library, run the CUDA tests (and the CPU
-# suite), a compute-sanitizer pass over small problems, and the benchmark smoke.
+# One GPU session in one command: build the CUDA library, run the CUDA tests, compute-sanitizer
+# passes over small problems (memcheck, racecheck), and the benchmark smoke.
 #   tools/gpu_suite.sh LOGDIR [pytest -k expression]
-# Logs: LOGDIR/{info,build,tests,sanitizer,bench}.log, LOGDIR/bench.json, LOGDIR/junit.xml.
+# Logs: LOGDIR/{info,build,tests,sanitizer,racecheck,bench}.log, LOGDIR/bench.json, LOGDIR/junit.xml.
 # Wheels for packages the GPU machine lacks may sit in .whl/ (installed to /tmp/site).
 set -uo pipefail
 out=${1:?usage: tools/gpu_suite.sh LOGDIR [pytest -k expression]}
@@ -31,6 +31,7 @@ step build python3 -m torch_sm70attn build
 step tests python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" ${sel:+-k "$sel"} \
   tests/test_cuda.py tests/test_compile_cuda.py
 step sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sanitizer_smoke
+step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/racecheck_cells.py
 if [ -f tools/bench.py ]; then
   step bench python3 tools/bench.py --smoke --json "$out/bench.json"
 fi
