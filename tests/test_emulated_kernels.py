@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EMU = ROOT / "tests" / "emu"
 # Cases of kernels.cpp that take seconds each; the slower ones (splits, manysplits, allcfg,
-# fuzz) run by hand: see the head of kernels.cpp.
+# padwarps, fuzz) run by hand: see the head of kernels.cpp.
 CASES = [
     "plan",
     "decode",

@@ -190,8 +190,9 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     // Online softmax, fp32, RPP rows per warp pass (rows as set up before the loop), one
     // log2(LPR)-step shuffle reduction for all of them. Tokens on invalid pages are masked like
     // future ones; a padding row sees nothing, so its P and alpha come out 0 and its O stays 0.
-    // `moved`: whether any real row of the warp has alpha != 1 (its max moved, or it has seen
-    // no token yet: alpha = 0), so PV can skip rescaling O when none has.
+    // `moved`: whether any row of the warp's non-skipped passes has alpha != 1 (its max moved,
+    // or it has seen no token yet: alpha = 0, which includes padding rows that share a pass
+    // with real ones), so PV can skip rescaling O when none has.
     {
       int ok[H][4];
 #pragma unroll

@@ -37,10 +37,10 @@ inline AttnPlan plan_paged_attention(int B, int H_q, int H_kv, int Q, int D, i64
   const i64 min_split = std::max<i64>(4 * attn_tile_tokens(D, pl.mb), 16 * cta_rows);
   const i64 per_request = (i64)H_kv * pl.row_groups;
   i64 splits = (std::max(ctas_per_sm, 2) * (i64)num_sms + per_request - 1) / per_request;
-  splits = std::min(splits, std::max<i64>(1, capacity / min_split));
+  splits = std::min<i64>({splits, std::max<i64>(1, capacity / min_split), attn_max_splits()});
   const i64 wave = std::max<i64>(1, std::max(ctas_per_sm, 1) * (i64)num_sms / per_request);
   if (splits > wave) splits = splits / wave * wave;
-  pl.num_splits = (int)std::max<i64>(1, std::min<i64>(splits, attn_max_splits()));
+  pl.num_splits = (int)std::max<i64>(1, splits);
   if (pl.num_splits > 1) pl.workspace_floats = (i64)B * H_q * Q * pl.num_splits * (D + 2);
   return pl;
 }

@@ -5,7 +5,7 @@
 namespace sm70attn {
 
 // Largest MB one CTA takes; more rows are split into row groups (KV read once per group).
-// D=256 stops at 4 (64 rows): Q + K + V + S tiles take 77 KB there, 128 rows would not fit
+// D=256 stops at 4 (64 rows): Q + K + V + S tiles take 84 KB there, 128 rows would not fit
 // the 96 KB of shared memory.
 __host__ __device__ constexpr int attn_max_row_blocks(int d) { return d == 256 ? 4 : 8; }
 
@@ -87,9 +87,10 @@ struct AttnTraits {
   static constexpr int WANT_BLOCKS = MB == 1 && FIT_BLOCKS < 3 ? 3 : FIT_BLOCKS;
   static constexpr int MIN_BLOCKS = WANT_BLOCKS < REG_BLOCKS ? WANT_BLOCKS : REG_BLOCKS;
   // A register budget 65536 / (THREADS * MIN_BLOCKS) of >= 160 (ROOMY) lets the QK^T loop over
-  // the D slices unroll fully (constant shared-memory offsets; else by 4) and, with at most two
-  // softmax passes per warp, the softmax keep its row state in registers (else shared memory):
-  // no spills on SM70 either way.
+  // the D slices unroll fully (constant shared-memory offsets; else by 4; by 8 where 16 slices
+  // and more than 256 threads per SM would spill: D256 MB3) and, with at most two softmax
+  // passes per warp, the softmax keep its row state in registers (else shared memory): no
+  // spills on SM70 either way.
   static constexpr bool ROOMY = 65536 / (THREADS * MIN_BLOCKS) >= 160;
   static constexpr int QK_UNROLL = ROOMY ? (DPK > 8 && THREADS * MIN_BLOCKS > 256 ? 8 : DPK) : 4;
 

@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
         for (int Q : {1, 8, 16})
           for (int H_kv : {1, 2, 4, 8})
             for (i64 cap : {16LL, 1000LL, 8192LL, 32768LL, 131072LL, 262144LL})
-              for (int sms : {1, 7, 80, 132})
+              for (int sms : {1, 7, 80, 132, 264})
                 for (int cps : {1, 2, 3, 4}) {
                   const AttnPlan a = plan_paged_attention(1, G * H_kv, H_kv, Q, D, cap, sms, cps);
                   const AttnPlan b = plan_paged_attention(16, G * H_kv, H_kv, Q, D, cap, sms, cps);
@@ -226,6 +226,32 @@ int main(int argc, char** argv) {
     Problem p = make(2, 6, 1, 8, 256, 37, 30, 9, 0, false);
     p.seq_lens = {300, 5};
     check("verify D256 G6 Q8", p, 16);
+  }
+  if (want("padwarps")) {  // shapes with warps of padding rows only, REGS and shared-memory row state, H_kv 3, row groups 3
+    struct C { const char* n; int B, G, H_kv, Q, D, page, P, mp; std::vector<int> lens; std::vector<int> sp; };
+    std::vector<C> cs = {
+      {"D256 MB3 rows33 Hkv3", 3, 3, 3, 11, 256, 5, 200, 120, {513, 40, 11}, {1, 3, 7}},
+      {"D256 MB2 rows17", 2, 1, 1, 17, 256, 9, 100, 60, {300, 17}, {1, 5}},
+      {"D256 MB2 rows20", 2, 4, 1, 5, 256, 9, 100, 60, {257, 64}, {1, 3}},
+      {"D256 MB3 rows36 decode-like", 1, 12, 1, 3, 256, 16, 40, 30, {450}, {1, 6}},
+      {"D256 rg3 MB3 rows130", 1, 10, 2, 13, 256, 11, 60, 40, {400}, {1, 3}},
+      {"D64 MB5 rows65 nonREGS", 2, 5, 1, 13, 64, 7, 100, 60, {333, 70}, {1, 3}},
+      {"D64 MB7 rows100 nonROOMY", 1, 4, 1, 25, 64, 3, 200, 150, {390}, {1, 2}},
+      {"D128 MB1 G8 Q1", 3, 8, 3, 1, 128, 13, 100, 40, {500, 1, 129}, {1, 5}},
+      {"D128 MB5 rows66", 1, 6, 1, 11, 128, 17, 50, 30, {300}, {1, 3}},
+      {"D64 MB1 rows2 N64", 2, 2, 1, 1, 64, 100, 10, 5, {450, 63}, {1, 3}},
+      {"D64 MB2 rows18 N64", 2, 6, 1, 3, 64, 31, 30, 20, {420, 65}, {1, 3}},
+    };
+    for (auto& c : cs)
+      for (int layout = 0; layout < 2; ++layout)
+        for (int sp : c.sp) {
+          Problem p = make(c.B, c.G * c.H_kv, c.H_kv, c.Q, c.D, c.page, c.P, c.mp, layout, layout == 1);
+          p.seq_lens = c.lens;
+          if (p.block_table.size() > 7) p.block_table[7] = -1;
+          char name[96];
+          snprintf(name, sizeof name, "%s L%d s%d", c.n, layout, sp);
+          check(name, p, 4, sp);
+        }
   }
   if (want("rowgroups")) {  // D256 G8 Q16: 128 rows -> 2 row groups of MB 4
     Problem p = make(1, 8, 1, 16, 256, 16, 8, 8, 0, false);
