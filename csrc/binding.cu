@@ -161,9 +161,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 256, msg("head dim ", D, " is not supported (64, 128, 256)"));
   TORCH_CHECK_VALUE(G >= 1 && G <= 8, msg("group size H_q / H_kv = ", G, " is not supported (1..8)"));
   TORCH_CHECK_VALUE(Q >= 1 && Q <= 16, msg("query rows Q = ", Q, " is not supported (1..16)"));
-  const i64 capacity = max_pages * page_size;
-  TORCH_CHECK_VALUE(capacity <= INT_MAX && P <= INT_MAX, msg("capacity (max_pages * page_size = ", capacity,
-                    ") and num_pages (", P, ") must fit in int32"));
+  // The kernel's token arithmetic is int32, with headroom for a split's rounding (len + splits - 1,
+  // t + N): capacity stays 1024 below INT_MAX.
+  const i64 capacity = max_pages * page_size, max_capacity = (i64)INT_MAX - 1024;
+  TORCH_CHECK_VALUE(capacity <= max_capacity && P <= INT_MAX,
+                    msg("capacity (max_pages * page_size = ", capacity, ") must be at most ", max_capacity,
+                        " and num_pages (", P, ") must fit in int32"));
 
   // 16-byte KV loads when every row start is 16-byte aligned, else 8-byte loads.
   auto kv_aligned = [&](i64 a) {
