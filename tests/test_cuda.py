@@ -241,7 +241,8 @@ def test_cuda_errors_name_the_argument():
         q = torch.zeros(2, 4, 1, 96, dtype=torch.float16, device=DEV)
         c = torch.zeros(4, 16, 2, 96, dtype=torch.float8_e4m3fn, device=DEV)
         op(dict(p, query=q, key_cache=c, value_cache=c))
-    with pytest.raises(ValueError, match="capacity"):  # 2097151 pages of 1024: INT_MAX - 1023 tokens
+    # 2097151 pages of 1024 tokens: capacity INT_MAX - 1023, one over the limit
+    with pytest.raises(ValueError, match="capacity"):
         bt = torch.zeros(2, 2097151, dtype=torch.int32, device=DEV)
         c = torch.zeros(4, 1024, 2, 64, dtype=torch.float8_e4m3fn, device=DEV)
         op(dict(p, key_cache=c, value_cache=c, block_table=bt))
