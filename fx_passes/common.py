@@ -141,14 +141,13 @@ def mutated_roots(node: fx.Node) -> list | None:
     if t is operator.setitem:
         return [root(node.args[0])]
     if isinstance(t, torch._ops.OpOverload):
-        out = []
-        for a, v in zip(t._schema.arguments, node.args, strict=False):
-            if a.alias_info is not None and a.alias_info.is_write:
-                out.append(root(v))
-        for a in t._schema.arguments:
-            if a.alias_info is not None and a.alias_info.is_write and a.name in node.kwargs:
-                out.append(root(node.kwargs[a.name]))
-        return out
+        return [
+            root(node.args[i] if i < len(node.args) else node.kwargs[a.name])
+            for i, a in enumerate(t._schema.arguments)
+            if a.alias_info is not None
+            and a.alias_info.is_write
+            and (i < len(node.args) or a.name in node.kwargs)
+        ]
     name = target_name(node)
     if name.endswith("_") and not name.startswith("_") and node.args:
         return [root(node.args[0])]  # in-place method (add_, copy_, index_put_, ...)
