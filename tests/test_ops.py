@@ -137,6 +137,11 @@ def _bad(name):
             dict(query=q[..., :32].contiguous()),
         ),
         "heads": (ValueError, "multiple of cache heads", dict(query=q[:, :3].contiguous())),
+        "query layout": (  # a decode query [B, Q=1, H_q, D] not transposed to SDPA layout
+            ValueError,
+            r"H_q=1 must be a multiple of cache heads H_kv=2.*\[B, H_q, Q, D\].*transpose\(1, 2\)",
+            dict(query=q[:, :, :1].transpose(1, 2)),
+        ),
         "query last dim": (
             ValueError,
             "query must have a contiguous last dim",
@@ -197,6 +202,7 @@ ERRORS = [
     "seq_lens size",
     "head dim",
     "heads",
+    "query layout",
     "query last dim",
     "cache last dim",
     "k_scale dtype",
@@ -246,6 +252,30 @@ def test_store_kv_errors():
         sa.store_kv(k, v, kc, vc, torch.full_like(slots, 10**6))
     with pytest.raises(ValueError, match="slot_mapping entries must be -1 or lie in"):
         sa.store_kv(k, v, kc, vc, torch.full_like(slots, -2))
+
+
+def test_wrappers_name_non_tensor_arguments():
+    p = make_problem(H_kv=2, G=2, Q=1, D=64, lens=[5, 20])
+    args = dict(p)
+    del args["scale"]
+    for name in ("query", "key_cache", "value_cache", "block_table", "seq_lens"):
+        bad = dict(args, **{name: p[name].tolist()})
+        with pytest.raises(TypeError, match=rf"^{name} must be a torch.Tensor \(.*\), got list"):
+            sa.paged_attention(**bad)
+    for name in ("k_scale", "v_scale"):
+        for value in ("0.1", None, [0.1, 0.2]):
+            with pytest.raises(TypeError, match=rf"^{name} must be a float or a float32 tensor"):
+                sa.paged_attention(**dict(args, **{name: value}))
+    sa.paged_attention(**dict(args, k_scale=1, v_scale=0.5))  # plain numbers are fine
+    k, v, kc, vc, slots, ks, vs = store_args()
+    with pytest.raises(TypeError, match=r"^seq_lens must be a torch.Tensor \(int32 \[B\]\)"):
+        sa.paged_attention(*op_args(p)[:4], [5, 20])
+    with pytest.raises(TypeError, match=r"^key must be a torch.Tensor \(float16 \[T, H_kv, D\]"):
+        sa.store_kv(k.tolist(), v, kc, vc, slots)
+    with pytest.raises(TypeError, match=r"^slot_mapping must be a torch.Tensor \(int64 \[T\]\)"):
+        sa.store_kv(k, v, kc, vc, slots.tolist())
+    with pytest.raises(TypeError, match="^v_scale must be a float or a float32 tensor"):
+        sa.store_kv(k, v, kc, vc, slots, v_scale="1")
 
 
 def test_verifier_mask_errors():
@@ -310,8 +340,8 @@ def test_admit_on_cpu_and_shape_reasons(monkeypatch):
 
 
 # --- the CLI --------------------------------------------------------------------------
-def _cli(*args):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def _cli(*args, **env_vars):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **env_vars)
     return subprocess.run(
         [sys.executable, "-m", "torch_sm70attn", *args],
         capture_output=True,
@@ -332,3 +362,27 @@ def test_cli_demo():
     r = _cli("demo", "--device", "cpu", "--context", "2000", "--reps", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(" ok") == 2, r.stdout
+
+
+def test_cli_info_without_gpu():
+    r = _cli("info", CUDA_VISIBLE_DEVICES="", TORCH_CUDA_ARCH_LIST="")
+    assert r.returncode == 0, r.stderr
+    lib = next(line for line in r.stdout.splitlines() if line.startswith("CUDA library:"))
+    assert "arch none" not in lib and "no GPU" in lib, lib
+
+
+def test_cli_demo_small_context():
+    r = _cli("demo", "--device", "cpu", "--context", "100", "--reps", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count(" ok") == 2, r.stdout
+    for bad in ("0", "-5", "7"):
+        r = _cli("demo", "--device", "cpu", "--context", bad)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "argument --context: must be >= 8" in r.stderr, r.stderr
+
+
+def test_cli_demo_cuda_without_gpu():
+    r = _cli("demo", "--device", "cuda", "--reps", "1", CUDA_VISIBLE_DEVICES="")
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "argument --device: cuda is not available" in r.stderr, r.stderr
+    assert "--device cpu" in r.stderr, r.stderr

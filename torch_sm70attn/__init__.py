@@ -9,6 +9,7 @@ this machine supports.
 from __future__ import annotations
 
 import functools
+import numbers
 
 import torch
 
@@ -37,8 +38,35 @@ def _scale_tensor(value: float, device: torch.device) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
-def _as_scale(x, device: torch.device) -> torch.Tensor:
-    return x if isinstance(x, torch.Tensor) else _scale_tensor(float(x), device)
+_REAL = (float, int, numbers.Real)  # float first: the common case skips the ABC check
+_EXPECTED = {
+    "query": "float16 [B, H_q, Q, D]",
+    "key_cache": "float8_e4m3fn [P, page_size, H_kv, D]",
+    "value_cache": "float8_e4m3fn [P, page_size, H_kv, D]",
+    "block_table": "int32 [B, max_pages]",
+    "seq_lens": "int32 [B]",
+    "key": "float16 [T, H_kv, D]",
+    "value": "float16 [T, H_kv, D]",
+    "slot_mapping": "int64 [T]",
+}
+
+
+def _not_a_tensor(**args) -> TypeError:
+    """The error for the first of `args` that is not a tensor (called only on failure, so
+    that the hot path pays for one isinstance per argument and nothing else)."""
+    name, x = next((n, x) for n, x in args.items() if not isinstance(x, torch.Tensor))
+    return TypeError(f"{name} must be a torch.Tensor ({_EXPECTED[name]}), got {type(x).__name__}")
+
+
+def _as_scale(name: str, x, device: torch.device) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    if not isinstance(x, _REAL):
+        raise TypeError(
+            f"{name} must be a float or a float32 tensor of shape [], [1] or [H_kv], "
+            f"got {type(x).__name__}"
+        )
+    return _scale_tensor(float(x), device)
 
 
 def paged_attention(
@@ -60,6 +88,21 @@ def paged_attention(
     K and V are float(e4m3) * k_scale / v_scale (float, or float32 tensor [], [1], [H_kv]).
     scale defaults to D ** -0.5. Returns [B, H_q, Q, D] float16.
     """
+    T = torch.Tensor
+    if not (
+        isinstance(query, T)
+        and isinstance(key_cache, T)
+        and isinstance(value_cache, T)
+        and isinstance(block_table, T)
+        and isinstance(seq_lens, T)
+    ):
+        raise _not_a_tensor(
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            block_table=block_table,
+            seq_lens=seq_lens,
+        )
     if scale is None:
         scale = query.shape[-1] ** -0.5
     args = (
@@ -69,8 +112,8 @@ def paged_attention(
         block_table,
         seq_lens,
         float(scale),
-        _as_scale(k_scale, query.device),
-        _as_scale(v_scale, query.device),
+        _as_scale("k_scale", k_scale, query.device),
+        _as_scale("v_scale", v_scale, query.device),
     )
     if query.device.type == "cuda":
         route = admit(query, key_cache, block_table)
@@ -95,14 +138,29 @@ def store_kv(
     slot = page * page_size + offset; -1 skips the token. Stored value is
     e4m3(x / scale): FP32 division, saturated to +-448, rounded to nearest even.
     """
+    T = torch.Tensor
+    if not (
+        isinstance(key, T)
+        and isinstance(value, T)
+        and isinstance(key_cache, T)
+        and isinstance(value_cache, T)
+        and isinstance(slot_mapping, T)
+    ):
+        raise _not_a_tensor(
+            key=key,
+            value=value,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            slot_mapping=slot_mapping,
+        )
     torch.ops.sm70attn.store_kv.default(
         key,
         value,
         key_cache,
         value_cache,
         slot_mapping,
-        _as_scale(k_scale, key.device),
-        _as_scale(v_scale, key.device),
+        _as_scale("k_scale", k_scale, key.device),
+        _as_scale("v_scale", v_scale, key.device),
     )
 
 

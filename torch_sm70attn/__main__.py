@@ -6,6 +6,7 @@ import argparse
 import functools
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -65,8 +66,10 @@ def info(args) -> int:
     try:
         digest = _jit.source_digest()
         built = _jit.is_built(digest)
+        arch = _jit.arch_list()
+        arch = "no GPU, no TORCH_CUDA_ARCH_LIST" if arch == "none" else f"arch {arch}"
         print(
-            f"CUDA library: source digest {digest} (arch {_jit.arch_list()}), "
+            f"CUDA library: source digest {digest} ({arch}), "
             f"{'built at ' + str(_jit.build_dir(digest)) if built else 'not built'}"
         )
     except FileNotFoundError as e:
@@ -140,14 +143,17 @@ def sdpa_over_gather(query, key_cache, value_cache, block_table, seq_lens, k_sca
     return out.to(query.dtype)
 
 
+VERIFY_Q = 8  # query rows of the demo's verify step: the least context it can check
+
+
 def demo(args) -> int:
-    dev = torch.device(args.device) if args.device else _device()
+    dev = args.device or _device()
     B, H_kv, G, D, page = 2, 2, 6, 256, 1648
-    lens = [args.context - 900, args.context]
+    lens = [max(args.context - 900, args.context // 2, VERIFY_Q), args.context]
     print(f"device {dev}; B={B} H_kv={H_kv} G={G} D={D} page={page} seq_lens={lens}")
     kc, vc, bt, sl, ks, vs = make_paged_problem(B, H_kv, G, D, page, lens, dev)
     ok = True
-    for Q, what in ((1, "decode"), (8, "verify")):
+    for Q, what in ((1, "decode"), (VERIFY_Q, "verify")):
         q = torch.randn(B, H_kv * G, Q, D, device=dev).half()
         a = sa.admit(q, kc, bt)
         op = functools.partial(sa.paged_attention, q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
@@ -166,15 +172,45 @@ def demo(args) -> int:
     return 0 if ok else 1
 
 
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        return n
+
+    parse.__name__ = "int"  # argparse names the type in "invalid int value: 'x'"
+    return parse
+
+
+def _demo_device(text: str) -> torch.device:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    dev = torch.device(text)
+    if dev.type == "cpu":
+        return dev
+    if torch.version.cuda is None:
+        why = f"this torch ({torch.__version__}) is a CPU-only build; install a CUDA build of torch"
+    elif not torch.cuda.is_available():
+        why = "no GPU is visible (check the driver and CUDA_VISIBLE_DEVICES)"
+    elif (dev.index or 0) >= torch.cuda.device_count():
+        why = f"only {torch.cuda.device_count()} GPU(s) visible"
+    else:
+        return dev
+    raise argparse.ArgumentTypeError(f"{text} is not available: {why}, or use --device cpu")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m torch_sm70attn", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions, device, manifest, routes, CUDA library status")
     sub.add_parser("build", help="JIT-build the CUDA library now (honours TORCH_CUDA_ARCH_LIST)")
     d = sub.add_parser("demo", help="a paged decode + verify step, checked against SDPA")
-    d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    d.add_argument("--context", type=int, default=5000, help="longest request, tokens")
-    d.add_argument("--reps", type=int, default=5)
+    d.add_argument("--device", type=_demo_device, help="cpu or cuda (default: cuda if present)")
+    d.add_argument(
+        "--context", type=_at_least(VERIFY_Q), default=5000, help="longest request, tokens"
+    )
+    d.add_argument("--reps", type=_at_least(1), default=5)
     args = ap.parse_args(argv)
     return {"info": info, "build": build, "demo": demo}[args.cmd](args)
 

@@ -75,7 +75,13 @@ def check_paged_attention(query, key_cache, value_cache, block_table, seq_lens, 
     if D_kv != D:
         raise ValueError(f"query head dim {D} != key_cache head dim {D_kv}")
     if H_kv == 0 or H_q % H_kv != 0:
-        raise ValueError(f"query heads H_q={H_q} must be a multiple of cache heads H_kv={H_kv}")
+        msg = f"query heads H_q={H_q} must be a multiple of cache heads H_kv={H_kv}"
+        if H_kv and Q and Q % H_kv == 0:  # looks like [B, Q, H_q, D]: heads in dim 2
+            msg += (
+                f"; query must be [B, H_q, Q, D] (SDPA layout), got {tuple(query.shape)}: "
+                "if it is [B, Q, H_q, D], pass query.transpose(1, 2)"
+            )
+        raise ValueError(msg)
     if page_size == 0:
         raise ValueError("key_cache page_size (dim 1) must be >= 1")
     if block_table.shape[0] != B:
