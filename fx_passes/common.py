@@ -7,12 +7,18 @@ import operator
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import guard_int, guard_or_false, statically_known_true
 
 FP8 = torch.float8_e4m3fn
 
 
 class Refused(Exception):
-    """A step the pass cannot prove; the message is the logged reason."""
+    """A step the pass cannot prove; the message is the logged reason, `fix` what the user
+    can change in their model so that the rewrite applies (shown in the warning)."""
+
+    def __init__(self, why: str, fix: str | None = None):
+        super().__init__(why)
+        self.fix = fix
 
 
 def meta(node):
@@ -42,14 +48,51 @@ def arg(node: fx.Node, i: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+# --- sizes: ints, or SymInts under dynamic shapes -------------------------------------------
+# Comparisons of sizes must not add guards (a guard on the batch size would recompile the
+# model for every batch): `same` asks whether equality is provable from what the shape
+# environment already knows. Only sizes the op needs as constants (head dim, page size, KV
+# heads, group size) are made static, with `static`, once the rewrite is decided.
+def val(x):
+    """An argument's value: a node's fake value (a SymInt for a size node), else x itself."""
+    return meta(x) if isinstance(x, fx.Node) else x
+
+
+def same(a, b) -> bool:
+    """a == b provably (ints or SymInts), without adding a guard."""
+    return statically_known_true(a == b)
+
+
+def agree(a, b) -> bool:
+    """a == b, proven, or true now and guarded on (Dynamo recompiles if it stops holding).
+    For sizes that eager code needs equal anyway, such as the tokens and slots of a write."""
+    return same(a, b) or guard_or_false(a == b)
+
+
+def same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+
+
+def one(x) -> bool:
+    return statically_known_true(x == 1)
+
+
+def known_int(x) -> int | None:
+    """x as an int if it is one or the shape environment has fixed it (no guard added)."""
+    if isinstance(x, int):
+        return x
+    e = x.node.shape_env.replace(x.node.expr)
+    return int(e) if e.is_number else None
+
+
 def static(x) -> int:
-    if not isinstance(x, int):
-        raise Refused(f"dynamic size {x}")
-    return x
+    """x as an int; a SymInt is specialized to its current value (Dynamo guards on it, so
+    another value recompiles). For sizes that do not change in a serving loop."""
+    return x if isinstance(x, int) else guard_int(x)
 
 
-def shape(node) -> list[int]:
-    return [static(s) for s in meta(node).shape]
+def shape(node) -> list:
+    return list(meta(node).shape)
 
 
 def scale_node(graph: fx.Graph, scale, device) -> fx.Node:

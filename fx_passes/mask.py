@@ -3,11 +3,14 @@
     t = torch.arange(T)
     last = seq_lens[:, None] - Q + torch.arange(Q)
     mask = (t[None, None, :] <= last[:, :, None])[:, None]          # [B, 1, Q, T]
+    mask = t.view(1, 1, 1, T) < (last + 1).view(B, 1, Q, 1)         # the same mask
 
 Each tensor is tracked as an integer affine form over seq_lens[b] ("S") and arange indices,
-with the axis each term varies along; a comparison normalises to f >= 0. The mask is
-sm70attn.verifier_mask(seq_lens, Q, T) exactly when f = S - Q + r - t over the axes
-[b, 1, r, t], with r an arange of Q and t an arange of T.
+with the axis each term varies along; a comparison (<, <=, >, >=, either way round)
+normalises to f >= 0. Dims are placed with None indexing, unsqueeze, or a view/reshape that
+only adds or drops size-1 dims. The mask is sm70attn.verifier_mask(seq_lens, Q, T) exactly
+when f = S - Q + r - t over the axes [b, 1, r, t], with r an arange of Q and t an arange of
+T. Sizes (Q, T, and constants such as Q itself) may be symbolic under dynamic shapes.
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .common import Refused, meta, target_name
+from .common import Refused, meta, one, same, same_shape, shape, target_name, val
 
 
 @dataclass
 class Form:
     coef: dict  # symbol -> integer coefficient ("S", or an arange node's name)
-    const: int
+    const: object  # int, or SymInt under dynamic shapes
     axes: list  # per dim: the symbol the dim indexes, or None (size 1)
     seq_lens: fx.Node | None = None
     cond: bool = False  # a comparison: the mask is f >= 0
@@ -39,18 +42,48 @@ def _op(node, names) -> bool:
     return node.target in names or target_name(node) in names
 
 
+def _reaxis(axes: list, old: list, new: list) -> list:
+    """Axes after a view/reshape that only adds or drops size-1 dims."""
+    kept = [(a, s) for a, s in zip(axes, old, strict=True) if not one(s)]
+    out = []
+    for s in new:
+        if one(s):
+            out.append(None)
+        elif kept and same(kept[0][1], s):
+            out.append(kept.pop(0)[0])
+        else:
+            raise Refused(f"mask reshaped from {old} to {new} (only size-1 dims may change)")
+    if kept:
+        raise Refused(f"mask reshaped from {old} to {new} (only size-1 dims may change)")
+    return out
+
+
+def _arange_size(node: fx.Node):
+    """n of torch.arange(n) / arange(0, n) (int or SymInt), else None."""
+    args = [a for a in node.args if not isinstance(a, torch.dtype)]
+    if len(args) == 2 and args[0] == 0:
+        args = args[1:]
+    if len(args) != 1 or node.kwargs.get("start", 0) != 0 or node.kwargs.get("step", 1) != 1:
+        return None
+    n = val(args[0])
+    return n if isinstance(n, (int, torch.SymInt)) else None
+
+
 def _form(node) -> Form:
     if isinstance(node, int):
         return Form({}, node, [])
     if not isinstance(node, fx.Node):
         raise Refused(f"mask built from {node!r}")
     name = target_name(node)
+    v = meta(node)
+    if isinstance(v, (int, torch.SymInt)):  # a size, e.g. Q = q.shape[2] under dynamic shapes
+        return Form({}, v, [])
     if node.op == "call_function" and node.target is torch.arange:
-        args = [a for a in node.args if not isinstance(a, torch.dtype)]
-        if len(args) == 2 and args[0] == 0:
-            args = args[1:]
-        if len(args) != 1 or not isinstance(args[0], int):
+        n = _arange_size(node)
+        if n is None:
             raise Refused("mask arange is not arange(n)")
+        if one(n):  # arange(1) is the constant 0
+            return Form({}, 0, [None])
         return Form({node.name: 1}, 0, [node.name])
     if name in ("long", "int", "to") and node.op == "call_method":
         if meta(node).dtype not in (torch.int32, torch.int64):
@@ -89,7 +122,10 @@ def _form(node) -> Form:
         d = node.args[1]
         f.axes.insert(d if d >= 0 else d + len(f.axes) + 1, None)
         return f
-    v = meta(node)
+    if name in ("view", "reshape"):
+        f = _form(node.args[0])
+        f.axes = _reaxis(f.axes, shape(node.args[0]), shape(node))
+        return f
     if (
         isinstance(v, torch.Tensor)
         and v.dim() == 1
@@ -119,24 +155,26 @@ def _combine(a: Form, b: Form, sign: int) -> Form:
     return Form(coef, a.const + sign * b.const, axes, a.seq_lens or b.seq_lens)
 
 
-def seq_lens_of_mask(mask: fx.Node, B: int, Q: int, T: int) -> fx.Node:
+def seq_lens_of_mask(mask: fx.Node, B, Q, T) -> fx.Node:
     """seq_lens if `mask` is the verifier mask written out with arange comparisons."""
     f = _form(mask)
     if not f.cond:
         raise Refused("attn_mask is neither sm70attn.verifier_mask nor an arange comparison")
-    if list(meta(mask).shape) != [B, 1, Q, T] or len(f.axes) != 4:
-        raise Refused(f"arange mask has shape {list(meta(mask).shape)}, not [B, 1, Q, T]")
-    b, one, r, t = f.axes
-    sizes = {n.name: n.args[-1] for n in mask.graph.nodes if n.target is torch.arange}
+    if not same_shape(shape(mask), [B, 1, Q, T]) or len(f.axes) != 4:
+        raise Refused(f"arange mask has shape {shape(mask)}, not [B, 1, Q, T]")
+    b, head, r, t = f.axes
+    sizes = {n.name: _arange_size(n) for n in mask.graph.nodes if n.target is torch.arange}
+    sizes = {k: n for k, n in sizes.items() if n is not None}
     want = {k: v for k, v in {"S": 1, r: 1, t: -1}.items() if k is not None}
     ok = (
         b in ("b", None)
-        and one is None
+        and head is None
         and r != t
-        and (sizes.get(r) == Q if r is not None else Q == 1)
-        and sizes.get(t) == T
+        and (r in sizes and same(sizes[r], Q) if r is not None else one(Q))
+        and t in sizes
+        and same(sizes[t], T)
         and f.coef == want
-        and f.const == -Q
+        and same(f.const, -Q)
         and f.seq_lens is not None
     )
     if not ok:

@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
+import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from torch_sm70attn import routes
 
@@ -47,11 +50,16 @@ from .common import (
     arg,
     erase_dead,
     fake,
+    known_int,
     meta,
+    one,
+    same,
+    same_shape,
     scale_node,
     shape,
     static,
     target_name,
+    val,
     writes_between,
 )
 from .mask import seq_lens_of_mask
@@ -68,44 +76,51 @@ VERIFIER_MASK = torch.ops.sm70attn.verifier_mask.default
 @dataclass
 class Layout:
     dims: list[tuple[str, ...]]  # atoms of each dim, outermost first (size-1 atoms dropped)
-    sizes: dict[str, int]
+    sizes: dict  # atom -> int, or SymInt under dynamic shapes
     dtype: torch.dtype
     scale: object = None  # the multiplier: None, a Python number or an fx.Node
     nodes: list[fx.Node] = field(default_factory=list)  # the chain, gather first
     cache: fx.Node | None = None
     bt: fx.Node | None = None  # the block table (int32 as the user holds it)
-    length: int | None = None  # K/V cut to their first `length` positions (x[:, :, :L])
+    length: object = None  # K/V cut to their first `length` positions (int or size node)
     gather: fx.Node | None = None  # where eager reads the cache and the table
     scaled_at: fx.Node | None = None  # where eager reads a scale tensor
+    dims_at: dict = field(default_factory=dict)  # chain node -> (dims, length) of its output
 
     def atoms(self, dims):
-        return tuple(a for a in dims if self.sizes[a] > 1)
+        return tuple(a for a in dims if not one(self.sizes[a]))
 
-    def shape(self):
+    def shape(self, dims=None, length=None):
+        dims, length = (self.dims, self.length) if dims is None else (dims, length)
         t = self.atoms(("PG", "OFF"))
         return [
-            self.length
-            if self.length is not None and d == t
-            else math.prod(self.sizes[a] for a in d)
-            for d in self.dims
+            val(length)
+            if length is not None and d == t
+            else math.prod((self.sizes[a] for a in d), start=1)
+            for d in dims
         ]
+
+    def record(self, node: fx.Node) -> None:
+        self.nodes.append(node)
+        self.dims_at[node] = (list(self.dims), self.length)
 
 
 def _regroup(lay: Layout, new_shape) -> list[tuple[str, ...]]:
-    """Dims of a view/reshape: the same atom sequence cut at the new boundaries. K/V cut to
-    a length keep their position dim whole (a pseudo-atom "T" of that length)."""
+    """Dims of a view/reshape: the same atom sequence cut at the new boundaries (sizes may be
+    symbolic: each boundary must be provable). K/V cut to a length keep their position dim
+    whole (a pseudo-atom "T" of that length)."""
     t = lay.atoms(("PG", "OFF"))
     cut = lay.length is not None
-    sizes = dict(lay.sizes, T=lay.length) if cut else lay.sizes
+    sizes = dict(lay.sizes, T=val(lay.length)) if cut else lay.sizes
     seq = [a for d in lay.dims for a in (("T",) if cut and d == t else d)]
     out, i = [], 0
     for s in new_shape:
         grp, prod = [], 1
-        while prod < s and i < len(seq):
+        while not same(prod, s) and i < len(seq):
             grp.append(seq[i])
             prod *= sizes[seq[i]]
             i += 1
-        if prod != s:
+        if not same(prod, s):
             raise Refused(f"reshape to {list(new_shape)} splits a tracked dim")
         if cut and "T" in grp and grp != ["T"]:
             raise Refused("reshape merges the cut position dim with another")
@@ -144,7 +159,6 @@ def _start(gather: fx.Node) -> Layout:
         bt = _int32_source(idx)
         if meta(bt).dim() != 2:
             raise Refused("block table is not 2-D [B, max_pages]")
-        B, MP = shape(bt)
         merged = False
         dead = []
     elif name == "index_select":
@@ -155,11 +169,10 @@ def _start(gather: fx.Node) -> Layout:
         if not isinstance(idx, fx.Node) or target_name(idx) not in ("view", "reshape", "flatten"):
             raise Refused("index_select index is not a flattened block table")
         bt = _int32_source(idx.args[0])
-        if meta(bt).dim() != 2 or list(meta(idx).shape) != [meta(bt).numel()]:
+        if meta(bt).dim() != 2 or not same_shape(shape(idx), [meta(bt).numel()]):
             raise Refused("index_select index is not a flattened block table")
         if len(idx.users) != 1:
             raise Refused(f"{idx.name} is used elsewhere")
-        B, MP = shape(bt)
         merged = True
         dead = [idx]
     else:
@@ -171,11 +184,16 @@ def _start(gather: fx.Node) -> Layout:
         raise Refused("cache is not 4-D [P, page_size, H_kv, D]")
     if meta(bt).dtype not in (torch.int32, torch.int64):
         raise Refused("block table is not an integer tensor")
+    B, MP = shape(bt)
     _, ps, H, D = shape(cache)
     sizes = {"B": B, "PG": MP, "OFF": ps, "H": H, "D": D, "G": 1}
-    lay = Layout([], sizes, FP8, nodes=[*dead, gather], cache=cache, bt=bt, gather=gather)
+    lay = Layout([], sizes, FP8, cache=cache, bt=bt, gather=gather)
     dims = [("B", "PG")] if merged else [("B",), ("PG",)]
     lay.dims = [lay.atoms(d) for d in dims + [("OFF",), ("H",), ("D",)]]
+    if dead:
+        lay.dims_at[dead[0]] = ([lay.atoms(("B", "PG"))], None)
+        lay.nodes.append(dead[0])
+    lay.record(gather)
     return lay
 
 
@@ -209,11 +227,11 @@ def _step(lay: Layout, node: fx.Node) -> None:
     elif name in ("mul", "mul_"):
         _scale_step(lay, node)
     elif name == "repeat_interleave":
-        reps, d = arg(node, 1, "repeats"), arg(node, 2, "dim")
-        if not isinstance(reps, int) or d is None:
-            raise Refused("repeat_interleave without a static repeat count and dim")
+        reps, d = val(arg(node, 1, "repeats")), arg(node, 2, "dim")
+        if not isinstance(reps, (int, torch.SymInt)) or d is None:
+            raise Refused("repeat_interleave without a repeat count and dim")
         d = _dim(d, n)
-        if lay.dims[d] != lay.atoms(("H",)) or lay.sizes["G"] != 1:
+        if lay.dims[d] != lay.atoms(("H",)) or not one(lay.sizes["G"]):
             raise Refused("repeat_interleave on a dim other than the KV heads")
         lay.sizes["G"] = reps
         lay.dims[d] = lay.atoms(("H", "G"))
@@ -223,9 +241,9 @@ def _step(lay: Layout, node: fx.Node) -> None:
         if len(new) != n:
             raise Refused("expand adds dims")
         for i, (o, s) in enumerate(zip(old, new, strict=True)):
-            if o == s:
+            if same(o, s):
                 continue
-            if lay.dims[i] != () or lay.sizes["G"] != 1:
+            if lay.dims[i] != () or not one(lay.sizes["G"]):
                 raise Refused("expand of a dim other than a fresh group dim")
             lay.sizes["G"] = s
             lay.dims[i] = ("G",)
@@ -233,7 +251,7 @@ def _step(lay: Layout, node: fx.Node) -> None:
         _index_step(lay, node)
     else:
         raise Refused(f"{node.name} ({name}) is not a step the pass can track")
-    if lay.shape() != [int(s) for s in out.shape]:
+    if not same_shape(lay.shape(), list(out.shape)):
         raise Refused(f"lost track of the layout at {node.name}")
 
 
@@ -245,6 +263,10 @@ def _index_step(lay: Layout, node: fx.Node) -> None:
     consumed = sum(1 for j in idx if j is not None and j is not Ellipsis)
     shape = lay.shape()
     dims, i = [], 0
+
+    def plain(ix):  # a slice from the start with step 1
+        return isinstance(ix, slice) and ix.start in (None, 0) and ix.step in (None, 1)
+
     for ix in idx:
         if ix is None:
             dims.append(())
@@ -252,20 +274,14 @@ def _index_step(lay: Layout, node: fx.Node) -> None:
             rest = len(lay.dims) - consumed
             dims.extend(lay.dims[i : i + rest])
             i += rest
-        elif (
-            isinstance(ix, slice)
-            and ix.start in (None, 0)
-            and ix.step in (None, 1)
-            and (ix.stop is None or (isinstance(ix.stop, int) and ix.stop >= shape[i]))
-        ):
-            dims.append(lay.dims[i])  # a slice to the full (static) length is a no-op
+        elif plain(ix) and (ix.stop is None or statically_known_true(val(ix.stop) >= shape[i])):
+            dims.append(lay.dims[i])  # a slice to the full length is a no-op
             i += 1
         elif (
-            isinstance(ix, slice)
-            and ix.start in (None, 0)
-            and ix.step in (None, 1)
-            and isinstance(ix.stop, int)
-            and 0 < ix.stop < shape[i]
+            plain(ix)
+            and isinstance(val(ix.stop), (int, torch.SymInt))
+            and statically_known_true(val(ix.stop) > 0)
+            and statically_known_true(val(ix.stop) < shape[i])
             and lay.dims[i] == lay.atoms(("PG", "OFF"))
             and lay.length is None
         ):
@@ -290,14 +306,14 @@ def _scale_step(lay: Layout, node: fx.Node) -> None:
     sm = meta(s)
     if not isinstance(sm, torch.Tensor) or not sm.is_floating_point():
         raise Refused("K/V multiplied by something other than a float scale")
-    if sm.numel() == 1:
+    if one(sm.numel()):
         lay.scale = s
         return
     # Right-aligned broadcast: the scale may vary along the KV-head dim alone.
     shape = list(sm.shape)
     if len(shape) > len(lay.dims):
         raise Refused("scale has more dims than K/V")
-    varying = [i for i, sz in enumerate(shape) if sz != 1]
+    varying = [i for i, sz in enumerate(shape) if not one(sz)]
     off = len(lay.dims) - len(shape)
     if len(varying) != 1 or lay.dims[off + varying[0]] != ("H",):
         raise Refused(f"scale of shape {shape} does not vary along the KV heads alone")
@@ -307,10 +323,8 @@ def _scale_step(lay: Layout, node: fx.Node) -> None:
 def _source(node: fx.Node) -> fx.Node:
     """The tensor a chain step transforms (for mul: the operand shaped like the result)."""
     if target_name(node) in ("mul", "mul_"):
-        shape = list(meta(node).shape)
-        cands = [
-            a for a in node.args[:2] if isinstance(a, fx.Node) and list(meta(a).shape) == shape
-        ]
+        out = shape(node)
+        cands = [a for a in node.args[:2] if isinstance(a, fx.Node) and same_shape(shape(a), out)]
         if len(cands) != 1:
             raise Refused(f"{node.name}: cannot tell K/V from its scale")
         return cands[0]
@@ -328,17 +342,46 @@ def _is_gather(node: fx.Node) -> bool:
     )
 
 
+# Under dynamic shapes, user code such as `T = k.shape[2]` reads K/V's sizes: Dynamo records
+# `k.size()` nodes. They read no data, so they do not keep the chain alive: the rewrite
+# recomputes them from the block table and the cache (`_rewire_sizes`).
+def _size_query(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target == "size") or (
+        node.target is torch.ops.aten.sym_size.int
+    )
+
+
+def _check_size_query(q: fx.Node) -> None:
+    if arg(q, 1, "dim") is None and not all(
+        target_name(u) == "getitem" and isinstance(u.args[1], int) for u in q.users
+    ):
+        raise Refused(
+            f"the shape of {q.args[0].name} is used whole",
+            "read single sizes (k.shape[2]) or take them from the block table and the cache",
+        )
+
+
 def _trace_back(node: fx.Node, sdpa: fx.Node) -> Layout:
-    """Chain from the gather to SDPA's input `node`; no link may be used elsewhere."""
+    """Chain from the gather to SDPA's input `node`; no link may be used elsewhere (but for
+    reads of its sizes)."""
     chain, user = [], sdpa
     cur = node
     while True:
         if not isinstance(cur, fx.Node) or cur.op not in ("call_function", "call_method"):
             raise Refused(
-                f"K/V does not come from a page gather (reached {getattr(cur, 'name', cur)})"
+                f"K/V does not come from a page gather (reached {getattr(cur, 'name', cur)})",
+                "gather K/V from the float8 cache with cache[block_table] or index_select",
             )
-        if set(cur.users) != {user}:
-            raise Refused(f"{cur.name} is used elsewhere")
+        others = [u for u in cur.users if u is not user and not _size_query(u)]
+        if others:
+            raise Refused(
+                f"{cur.name} is used elsewhere (by {others[0].name}): the rewrite would have "
+                "to keep the gathered K/V",
+                "use the dequantized K/V only for the attention",
+            )
+        for q in cur.users:
+            if _size_query(q):
+                _check_size_query(q)
         chain.append(cur)
         if _is_gather(cur):
             break
@@ -347,55 +390,123 @@ def _trace_back(node: fx.Node, sdpa: fx.Node) -> Layout:
     lay = _start(chain[0])
     for n in chain[1:]:
         _step(lay, n)
-        lay.nodes.append(n)
+        lay.record(n)
     return lay
 
 
+def _size_node(graph: fx.Graph, lay: Layout, atoms) -> int | fx.Node:
+    """The product of atom sizes as a constant, or as nodes reading the table and cache."""
+    src = {"B": (lay.bt, 0), "PG": (lay.bt, 1), "OFF": (lay.cache, 1), "H": (lay.cache, 2)}
+    src["D"] = (lay.cache, 3)
+    const, out = 1, None
+    for a in atoms:
+        k = known_int(lay.sizes[a])
+        if k is not None:
+            const *= k
+            continue
+        if a not in src:
+            raise Refused(f"symbolic size of {a}")  # G: made static before any rewrite
+        n = fake(graph.call_method("size", src[a]))
+        out = n if out is None else fake(graph.call_function(operator.mul, (out, n)))
+    if out is None:
+        return const
+    return out if const == 1 else fake(graph.call_function(operator.mul, (out, const)))
+
+
+def _replace(node: fx.Node, new) -> None:
+    """Replace every use of `node` by `new`, a node or a constant."""
+    for u in list(node.users):
+        u.args, u.kwargs = fx.node.map_arg((u.args, u.kwargs), lambda a: new if a is node else a)
+
+
+def _rewire_sizes(graph: fx.Graph, lay: Layout) -> None:
+    """Replace reads of the chain's sizes by the same sizes computed from table and cache."""
+    for c in lay.nodes:
+        dims, length = lay.dims_at[c]
+        for q in [u for u in c.users if _size_query(u)]:
+            d = arg(q, 1, "dim")
+            reads = [(q, d)] if d is not None else [(u, u.args[1]) for u in q.users]
+            for user, i in reads:
+                i = _dim(i, len(dims))
+                t = lay.atoms(("PG", "OFF"))
+                with graph.inserting_before(user):
+                    if length is not None and dims[i] == t:
+                        new = length
+                    else:
+                        new = _size_node(graph, lay, dims[i])
+                _replace(user, new)
+                graph.erase_node(user)
+            if d is None:
+                graph.erase_node(q)
+
+
 # --- the rewrite --------------------------------------------------------------------------
-def _check_kv(lay: Layout, H_q: int, gqa: bool, what: str) -> None:
+MASK_FIX = (
+    "pass attn_mask=torch_sm70attn.verifier_mask(seq_lens, Q, k.shape[2]), or the same mask "
+    "as arange comparisons (README, 'With torch.compile')"
+)
+
+
+def _check_kv(lay: Layout, H_q, gqa: bool, what: str) -> None:
     heads = ("H",) if gqa else ("H", "G")
     want = [lay.atoms(a) for a in (("B",), heads, ("PG", "OFF"), ("D",))]
     if lay.dims != want:
-        raise Refused(f"{what} arrives as {lay.dims}, not [B, heads, pages * page_size, D]")
+        raise Refused(
+            f"{what} arrives as {lay.dims}, not [B, heads, pages * page_size, D]",
+            "gather pages in table order, flatten (pages, page_size) into positions, and "
+            "expand KV heads as repeat_interleave(G, dim=1), repeat_kv or enable_gqa=True",
+        )
     if lay.dtype != torch.float16:
-        raise Refused(f"{what} is {lay.dtype} at SDPA, not float16")
+        raise Refused(
+            f"{what} is {lay.dtype} at SDPA, not float16", "convert K/V with .to(torch.float16)"
+        )
     H = lay.sizes["H"]
-    G = H_q // H if gqa and lay.sizes["G"] == 1 else lay.sizes["G"]
-    if G * H != H_q:
+    G = H_q // H if gqa and one(lay.sizes["G"]) else lay.sizes["G"]
+    if not same(G * H, H_q):
         raise Refused(f"{what}: {H} KV heads x group {G} != {H_q} query heads")
 
 
-def _seq_lens(graph, sdpa, mask, k: Layout, v: Layout, B: int, Q: int, T: int, device):
+def _seq_lens(graph, sdpa, mask, k: Layout, v: Layout, B, Q, T, device):
     """The op's seq_lens: the verifier mask's, or for decode without a mask (every key visible,
-    also with K/V cut to a static length, e.g. one request's exact length) a constant."""
+    also with K/V cut to a length, e.g. one request's exact length) the gathered length."""
     if mask is None:
-        if Q != 1:
-            raise Refused(f"no attn_mask with Q = {Q} > 1 (rows would see the same keys)")
-        if k.length != v.length:
+        if not one(Q):
+            raise Refused(f"no attn_mask with Q = {Q} > 1 (rows would see the same keys)", MASK_FIX)
+        if not (
+            k.length is v.length
+            or (
+                k.length is not None and v.length is not None and same(val(k.length), val(v.length))
+            )
+        ):
             raise Refused("K and V cut to different lengths")
+        n = k.length if k.length is not None else _size_node(graph, k, ("PG", "OFF"))
+        rows = _size_node(graph, k, ("B",))
         full = graph.call_function(
-            torch.full, ((B,), k.length or T), {"dtype": torch.int32, "device": device}
+            torch.full, ((rows,), n), {"dtype": torch.int32, "device": device}
         )
         return fake(full)
     if k.length is not None or v.length is not None:
         raise Refused("K/V cut to a length shorter than the table, with a mask")
     if not isinstance(mask, fx.Node):
-        raise Refused("attn_mask is not sm70attn.verifier_mask(...)")
+        raise Refused("attn_mask is not sm70attn.verifier_mask(...)", MASK_FIX)
     if mask.target is VERIFIER_MASK:
         seq_lens, q_rows, kv_len = (
             arg(mask, i, n) for i, n in enumerate(("seq_lens", "q_rows", "kv_len"))
         )
-        if (q_rows, kv_len) != (Q, T):
-            raise Refused(f"verifier_mask(q_rows={q_rows}, kv_len={kv_len}) != (Q={Q}, T={T})")
+        if not (same(val(q_rows), Q) and same(val(kv_len), T)):
+            raise Refused(
+                f"verifier_mask(q_rows={val(q_rows)}, kv_len={val(kv_len)}) != (Q={Q}, T={T})",
+                MASK_FIX,
+            )
     else:  # the same mask written out with arange comparisons
         try:
             seq_lens = seq_lens_of_mask(mask, B, Q, T)
         except Refused as e:
             raise Refused(
-                f"attn_mask is not sm70attn.verifier_mask(...) nor its arange form: {e}"
+                f"attn_mask is not sm70attn.verifier_mask(...) nor its arange form: {e}", MASK_FIX
             ) from None
     if meta(seq_lens).dtype != torch.int32:
-        raise Refused("seq_lens is not int32")
+        raise Refused("seq_lens is not int32", "keep seq_lens int32 (the op's dtype)")
     # eager read seq_lens where the mask was built (the arange form: from the graph's start)
     start = mask if mask.target is VERIFIER_MASK else graph._root
     why = writes_between(start, sdpa, [seq_lens])
@@ -410,39 +521,36 @@ def rewrite_sdpa(graph: fx.Graph, sdpa: fx.Node) -> None:
         raise Refused("SDPA query/key/value are not graph tensors")
     mask = arg(sdpa, 3, "attn_mask")
     if arg(sdpa, 4, "dropout_p", 0.0) != 0.0:
-        raise Refused("dropout_p != 0")
+        raise Refused("dropout_p != 0", "call SDPA with dropout_p=0 when serving")
     if arg(sdpa, 5, "is_causal", False):
-        raise Refused("is_causal=True (the op's mask is the verifier mask)")
+        raise Refused("is_causal=True (the op's mask is the verifier mask)", MASK_FIX)
     scale = arg(sdpa, 6, "scale")
     gqa = bool(sdpa.kwargs.get("enable_gqa", False))
     q = meta(q_node)
     if q.dim() != 4:
         raise Refused("query is not 4-D")
-    B, H_q, Q, D = (static(int(s)) for s in q.shape)
+    B, H_q, Q, D = q.shape
     k, v = _trace_back(k_node, sdpa), _trace_back(v_node, sdpa)
     if q.dtype != torch.float16:
-        raise Refused(f"query is {q.dtype}, not float16")
+        raise Refused(f"query is {q.dtype}, not float16", "run attention in float16")
     _check_kv(k, H_q, gqa, "K")
     _check_kv(v, H_q, gqa, "V")
     if k.bt is not v.bt:
         raise Refused("K and V use different block tables")
-    if k.sizes != v.sizes:
+    if not all(same(k.sizes[a], v.sizes[a]) for a in k.sizes):
         raise Refused("K and V caches differ in shape")
-    if k.sizes["B"] != B or k.sizes["D"] != D:
+    if not (same(k.sizes["B"], B) and same(k.sizes["D"], D)):
         raise Refused("query and cache disagree on batch or head dim")
     T = k.sizes["PG"] * k.sizes["OFF"]
     if meta(k.bt).dtype != torch.int32:
-        raise Refused("block_table is not int32")
-    if q.stride(-1) != 1:
+        raise Refused(
+            "block_table is not int32", "keep block_table int32 (index the cache with bt.long())"
+        )
+    if not one(q.stride(-1)):
         raise Refused("query last dim is not contiguous")
     if routes.disabled():
         raise Refused("TORCH_SM70ATTN_DISABLE=1")
-    why = routes.shape_refusal(q, meta(k.cache), meta(k.bt))
-    if why:
-        raise Refused(why)
-    if scale is None:
-        scale = D**-0.5
-    if not isinstance(scale, (int, float)):
+    if scale is not None and not isinstance(scale, (int, float)):
         raise Refused("SDPA scale is not a Python number")
     # The op reads everything at the SDPA; eager read the cache and table at the gather, a
     # scale at its multiply, seq_lens where the mask was built: nothing may write them between.
@@ -452,6 +560,19 @@ def rewrite_sdpa(graph: fx.Graph, sdpa: fx.Node) -> None:
             why = writes_between(lay.scaled_at, sdpa, [lay.scale])
         if why:
             raise Refused(why)
+    # Decided but for the manifest: the sizes the kernels need as constants become static
+    # (guarded by Dynamo: a new head dim or page size recompiles); batch, table width, pages
+    # and query rows stay symbolic (the manifest's bounds on them become range guards).
+    for x in (D, H_q, k.sizes["OFF"], k.sizes["H"], k.sizes["G"]):
+        static(x)
+    why = routes.shape_refusal(q, meta(k.cache), meta(k.bt))
+    if why:
+        raise Refused(
+            why,
+            "none in the model: the kernels do not serve this shape (torch_sm70attn.capabilities())",
+        )
+    if scale is None:
+        scale = static(D) ** -0.5
 
     with graph.inserting_before(sdpa):
         seq_lens = _seq_lens(graph, sdpa, mask, k, v, B, Q, T, q.device)
@@ -462,8 +583,48 @@ def rewrite_sdpa(graph: fx.Graph, sdpa: fx.Node) -> None:
             (q_node, k.cache, v.cache, k.bt, seq_lens, float(scale), ks, vs),
         )
     fake(fused)
+    _rewire_sizes(graph, k)
+    _rewire_sizes(graph, v)
     sdpa.replace_all_uses_with(fused)
     erase_dead(graph, [sdpa])
+
+
+def _reads_fp8(node: fx.Node, limit: int = 256) -> bool:
+    """Whether `node` reads a float8_e4m3fn tensor within `limit` nodes upstream."""
+    seen, work = set(), list(node.all_input_nodes)
+    while work and len(seen) < limit:
+        n = work.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if getattr(n.meta.get("example_value", n.meta.get("val")), "dtype", None) == FP8:
+            return True
+        work.extend(n.all_input_nodes)
+    return False
+
+
+def _site(node: fx.Node) -> str:
+    """The user's source line of `node` (file:line in function), or its name."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', node.meta.get("stack_trace") or "")
+    return "{}:{} in {}".format(*frames[-1]) if frames else node.name
+
+
+_warned: set = set()
+
+
+def _warn_refusal(node: fx.Node, why: str, fix: str | None) -> None:
+    """Once per source line and reason: the model asked for this backend and attention over
+    its float8 cache stays on the slow path."""
+    site = _site(node)
+    if (site, why) in _warned:
+        return
+    _warned.add((site, why))
+    log.warning(
+        "sm70attn: the attention at %s stays on the slow gather path: %s.%s",
+        site,
+        why,
+        f" To fix: {fix}." if fix else "",
+    )
 
 
 def rewrite_graph(graph: fx.Graph) -> int:
@@ -476,8 +637,14 @@ def rewrite_graph(graph: fx.Graph) -> int:
             rewrite_sdpa(graph, node)
         except Exception as e:  # noqa: BLE001 - a refusal, or a form the pass did not foresee
             counters["sm70attn"]["sdpa_refused"] += 1
-            why = str(e) if isinstance(e, Refused) else f"unforeseen form ({e!r})"
+            if isinstance(e, Refused):
+                why, fix = str(e), e.fix
+            else:
+                why = f"a form the pass did not foresee ({e!r})"
+                fix = "please report it with the graph (TORCH_LOGS=graph_code)"
             log.debug("sm70attn: SDPA %s left unchanged: %s", node.name, why)
+            if _reads_fp8(node) and not routes.disabled():
+                _warn_refusal(node, why, fix)
             continue
         counters["sm70attn"]["paged_attention_rewrite"] += 1
         log.debug("sm70attn: SDPA %s -> sm70attn.paged_attention", node.name)

@@ -29,14 +29,19 @@ from torch._dynamo.utils import counters
 from .common import (
     FP8,
     Refused,
+    agree,
     arg,
     erase_dead,
     fake,
     meta,
+    one,
     root,
+    same,
+    same_shape,
     scale_node,
     shape,
     target_name,
+    val,
     writes_between,
 )
 
@@ -77,7 +82,8 @@ class Write:
                 raise Refused("slot write into something other than a private [slots, H, D] view")
             cache = dest.args[0]
             c = meta(cache)
-            if c.dim() != 4 or shape(dest) != [c.shape[0] * c.shape[1], c.shape[2], c.shape[3]]:
+            want = [c.shape[0] * c.shape[1], c.shape[2], c.shape[3]]
+            if c.dim() != 4 or not same_shape(shape(dest), want):
                 raise Refused("slot view is not cache.view(-1, H_kv, D)")
             if target_name(dest) != "view" and not c.is_contiguous():
                 # reshape/flatten of a strided cache copies: eager's write would be lost
@@ -92,7 +98,9 @@ class Write:
                 and _binop(off, (operator.mod, "remainder", "fmod"))
             ):
                 raise Refused("page/offset index is not (slots // page_size, slots % page_size)")
-            if page.args[0] is not off.args[0] or page.args[1] != ps or off.args[1] != ps:
+            if page.args[0] is not off.args[0] or not (
+                ps is not None and same(val(page.args[1]), ps) and same(val(off.args[1]), ps)
+            ):
                 raise Refused("page/offset index does not use the cache's page size")
             return dest, self._slots(page.args[0])
         raise Refused("cache write index is not a slot mapping")
@@ -135,15 +143,17 @@ class Write:
         if xm.dtype != torch.float16 or xm.dim() != 3:
             raise Refused(f"written tokens are {xm.dtype} {tuple(xm.shape)}, not float16 [T, H, D]")
         cm = meta(self.cache)
-        if list(xm.shape[1:]) != list(cm.shape[2:]) or meta(self.slots).shape[0] != xm.shape[0]:
+        if not same_shape(xm.shape[1:], cm.shape[2:]) or not agree(
+            meta(self.slots).shape[0], xm.shape[0]
+        ):
             raise Refused(
                 f"tokens {tuple(xm.shape)} do not match the cache's [H_kv, D] and slots (broadcast write)"
             )
         if isinstance(scale, fx.Node):
             sm = meta(scale)
-            s = [int(d) for d in sm.shape]
-            if sm.numel() != 1 and (
-                sm.numel() != xm.shape[1] or len(s) < 2 or s[-2] != xm.shape[1]
+            s = list(sm.shape)
+            if not one(sm.numel()) and (
+                not same(sm.numel(), xm.shape[1]) or len(s) < 2 or not same(s[-2], xm.shape[1])
             ):
                 raise Refused(f"scale of shape {s} does not vary along the KV heads alone")
         elif not isinstance(scale, (int, float)):
@@ -182,7 +192,7 @@ def rewrite_graph(graph: fx.Graph) -> int:
             if a in used or b in used or a.slots is not b.slots or a.cache is b.cache:
                 continue
             order = {n: j for j, n in enumerate(graph.nodes)}
-            if meta(a.cache).shape != meta(b.cache).shape:
+            if not same_shape(meta(a.cache).shape, meta(b.cache).shape):
                 continue
             between = [n for n in graph.nodes if order[a.node] < order[n] < order[b.node]]
             if any(_touches(n, (a.cache, b.cache)) for n in between if n not in b.chain):

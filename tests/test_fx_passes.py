@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from oracle import rel_err
 from torch._dynamo.utils import counters
+from torch_sm70attn.fx_passes import paged_attention as attention_pass
 
 import torch_sm70attn as sa
 from torch_sm70attn import backend as sa_backend
@@ -68,11 +69,18 @@ class Captured:
         return gm.forward
 
 
-def compile_and_run(fn, *args):
+def compile_and_run(fn, *args, warmup=None):
+    """Compile `fn` with the rewrite and run it on `args`. With `warmup` (other arguments of
+    other sizes), run those first: Dynamo then recompiles for `args` with automatic dynamic
+    shapes, as in a serving loop, and `cap` holds that second, symbolic graph."""
     torch._dynamo.reset()
     counters.clear()
     cap = Captured()
-    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
+    compiled = torch.compile(fn, backend=cap, fullgraph=True)
+    if warmup is not None:
+        compiled(*warmup)
+        counters.clear()
+    out = compiled(*args)
     return cap, out, dict(counters["sm70attn"])
 
 
@@ -164,10 +172,92 @@ def decode_exact_length(q, kc, vc, bt, sl, ks, vs):
     return F.scaled_dot_product_attention(q, repeat_kv(k, G), repeat_kv(v, G))
 
 
+def arange_mask_symbolic(q, kc, vc, bt, sl, ks, vs):
+    """The arange mask over T = k.shape[2], HF's repeat_kv: symbolic sizes after a recompile."""
+    Q = q.shape[2]
+    k = (kc[bt].flatten(1, 2).half() * ks).transpose(1, 2)
+    v = (vc[bt].flatten(1, 2).half() * vs).transpose(1, 2)
+    t = torch.arange(k.shape[2])
+    last = sl[:, None] - Q + torch.arange(Q)
+    mask = (t[None, None, :] <= last[:, :, None])[:, None]
+    return F.scaled_dot_product_attention(q, repeat_kv(k, G), repeat_kv(v, G), attn_mask=mask)
+
+
+def decode_full_table(q, kc, vc, bt, sl, ks, vs):
+    """Decode without a mask: every position of the table is visible (as in eager)."""
+    k = (kc[bt].flatten(1, 2).half() * ks).transpose(1, 2)
+    v = (vc[bt].flatten(1, 2).half() * vs).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, repeat_kv(k, G), repeat_kv(v, G))
+
+
+# Mask forms users write: view/reshape/unsqueeze/None indexing, < ... + 1, either side.
+def arange_mask_view(q, kc, vc, bt, sl, ks, vs):
+    """t.view(1, 1, 1, T) < (last + 1).reshape(B, 1, Q, 1)."""
+    B, _, Q, _ = q.shape
+    k, v = gqa_kv(kc, vc, bt, ks, vs)
+    T = k.shape[2]
+    last = sl.view(B, 1) - Q + torch.arange(Q).view(1, Q)
+    mask = torch.arange(T).view(1, 1, 1, T) < (last + 1).reshape(B, 1, Q, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def arange_mask_unsqueeze_ge(q, kc, vc, bt, sl, ks, vs):
+    """last.unsqueeze(-1) >= t, the bound on the left; the head dim by unsqueeze(1)."""
+    Q = q.shape[2]
+    k, v = gqa_kv(kc, vc, bt, ks, vs)
+    last = sl.unsqueeze(1) - Q + torch.arange(Q).unsqueeze(0)
+    mask = (last.unsqueeze(-1) >= torch.arange(k.shape[2])).unsqueeze(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def arange_mask_gt(q, kc, vc, bt, sl, ks, vs):
+    """last + 1 > t with None indexing to 4-D on both sides; int64 arithmetic (.long())."""
+    Q = q.shape[2]
+    k, v = gqa_kv(kc, vc, bt, ks, vs)
+    r = torch.arange(Q)
+    mask = (
+        sl.long()[:, None, None, None] - Q + r[None, None, :, None] + 1
+        > torch.arange(k.shape[2])[None, None, None, :]
+    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def arange_mask_view_off_by_one(q, kc, vc, bt, sl, ks, vs):
+    """t < last instead of t < last + 1: one key fewer per row."""
+    B, _, Q, _ = q.shape
+    k, v = gqa_kv(kc, vc, bt, ks, vs)
+    T = k.shape[2]
+    last = sl.view(B, 1) - Q + torch.arange(Q).view(1, Q)
+    mask = torch.arange(T).view(1, 1, 1, T) < last.reshape(B, 1, Q, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def arange_mask_gt_off_by_one(q, kc, vc, bt, sl, ks, vs):
+    """last + 2 > t: one key more per row."""
+    Q = q.shape[2]
+    k, v = gqa_kv(kc, vc, bt, ks, vs)
+    r = torch.arange(Q)
+    mask = (
+        sl.long()[:, None, None, None] - Q + r[None, None, :, None] + 2
+        > torch.arange(k.shape[2])[None, None, None, :]
+    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def arange_mask_regrouped(q, kc, vc, bt, sl, ks, vs):
+    """last [B, Q] reshaped through [Q, B]: the rows of different requests mixed up."""
+    B, _, Q, _ = q.shape
+    k, v = gqa_kv(kc, vc, bt, ks, vs)
+    T = k.shape[2]
+    last = sl.view(B, 1) - Q + torch.arange(Q).view(1, Q)
+    mask = torch.arange(T).view(1, 1, 1, T) <= last.reshape(Q, B).reshape(B, 1, Q, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class Attn(expecttest.TestCase):
-    def run_fn(self, fn, args):
+    def run_fn(self, fn, args, warmup=None):
         """Compile with the rewrite; one rewrite, compiled equals eager; the captured graphs."""
-        cap, out, ctr = compile_and_run(fn, *args)
+        cap, out, ctr = compile_and_run(fn, *args, warmup=warmup)
         self.assertEqual(ctr.get("paged_attention_rewrite"), 1)
         err = rel_err(out, fn(*args).double())
         assert err < 2e-3, err
@@ -391,10 +481,85 @@ v4 = sm70attn.paged_attention(q, kc, vc, bt, sl, 0.125, v1, v3)
 return (v4,)""",
         )
 
+    def test_symbolic_batch_and_table_width(self):
+        # After a recompile with automatic dynamic shapes B (s19) and the table width (s95)
+        # are symbolic; T = k.shape[2] is 16 * s95. The same rewrite, with no guard added.
+        cap = self.run_fn(arange_mask_symbolic, problem(B=3, W=4, seed=8), problem(B=2, W=3))
+        self.assertExpectedInline(
+            cap.before,
+            """\
+v0 = getitem(kc, bt)
+v1 = .flatten(v0, 1, 2)
+v2 = .half(v1)
+v3 = mul(v2, ks)
+v4 = .transpose(v3, 1, 2)
+v5 = getitem(vc, bt)
+v6 = .flatten(v5, 1, 2)
+v7 = .half(v6)
+v8 = mul(v7, vs)
+v9 = .transpose(v8, 1, 2)
+v10 = mul(16, s95)
+v11 = arange(v10)
+v12 = getitem(sl, (slice(None, None, None), None))
+v13 = sub(v12, 4)
+v14 = arange(4)
+v15 = add(v13, v14)
+v16 = getitem(v11, (None, None, slice(None, None, None)))
+v17 = getitem(v15, (slice(None, None, None), slice(None, None, None), None))
+v18 = le(v16, v17)
+v19 = getitem(v18, (slice(None, None, None), None))
+v20 = getitem(v4, (slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None)))
+v21 = .expand(v20, s19, 2, 6, v10, 64)
+v22 = .reshape(v21, s19, 12, v10, 64)
+v23 = getitem(v9, (slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None)))
+v24 = .expand(v23, s19, 2, 6, v10, 64)
+v25 = .reshape(v24, s19, 12, v10, 64)
+v26 = sdpa(q, v22, v25, attn_mask=v19)
+return (v26,)""",
+        )
+        self.assertExpectedInline(
+            cap.after,
+            """\
+v0 = .reshape(ks, (-1,))
+v1 = .to(v0, device=device(type=cpu), dtype=torch.float32)
+v2 = .reshape(vs, (-1,))
+v3 = .to(v2, device=device(type=cpu), dtype=torch.float32)
+v4 = sm70attn.paged_attention(q, kc, vc, bt, sl, 0.125, v1, v3)
+return (v4,)""",
+        )
+
+    def test_decode_without_mask_symbolic_length(self):
+        # Decode (Q = 1) without a mask attends to every gathered position: the op with
+        # seq_lens = the table's capacity, built from the symbolic B and table width.
+        cap = self.run_fn(decode_full_table, problem(B=3, W=4, Q=1, seed=9), problem(B=2, W=3, Q=1))
+        self.assertExpectedInline(
+            cap.after,
+            """\
+v0 = .size(bt, 1)
+v1 = mul(v0, 16)
+v2 = .size(bt, 0)
+v3 = full((v2,), v1, dtype=torch.int32, device=device(type=cpu))
+v4 = .reshape(ks, (-1,))
+v5 = .to(v4, device=device(type=cpu), dtype=torch.float32)
+v6 = .reshape(vs, (-1,))
+v7 = .to(v6, device=device(type=cpu), dtype=torch.float32)
+v8 = sm70attn.paged_attention(q, kc, vc, bt, v3, 0.125, v5, v7)
+return (v8,)""",
+        )
+
     def test_batch_one_one_kv_head(self):
         # Size-1 dims (B = 1, H_kv = 1) are dropped from the tracking: same rewrite.
         cap, out, ctr = compile_and_run(hf, *problem(B=1, H=1, seed=4))
         self.assertEqual(ctr.get("paged_attention_rewrite"), 1)
+
+
+@pytest.mark.parametrize("fn", [arange_mask_view, arange_mask_unsqueeze_ge, arange_mask_gt])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_mask_forms(fn, dynamic):
+    args = problem(B=3, W=4, seed=10)
+    cap, out, ctr = compile_and_run(fn, *args, warmup=problem(B=2, W=3) if dynamic else None)
+    assert ctr.get("paged_attention_rewrite") == 1, ctr
+    assert rel_err(out, fn(*args).double()) < 2e-3
 
 
 # --- negative twins: each must leave the graph unchanged ------------------------------------
@@ -535,6 +700,9 @@ def per_query_head_scale(q, kc, vc, bt, sl, ks, vs):
         (cache_written_after_gather, "may write"),
         (reinterpreted_cache, "reinterprets K/V as torch.float8_e5m2"),
         (arange_mask_alpha, "alpha"),
+        (arange_mask_view_off_by_one, "arange mask is not t <= seq_len - Q + r"),
+        (arange_mask_gt_off_by_one, "arange mask is not t <= seq_len - Q + r"),
+        (arange_mask_regrouped, "only size-1 dims may change"),
     ],
 )
 def test_negative_twins(fn, reason, caplog):
@@ -549,10 +717,52 @@ def test_negative_twins(fn, reason, caplog):
         torch.testing.assert_close(out, fn(*eager_args))
 
 
-def test_disable_switch_refuses(monkeypatch):
+def test_disable_switch_refuses(monkeypatch, caplog):
     monkeypatch.setenv("TORCH_SM70ATTN_DISABLE", "1")
-    cap, _, ctr = compile_and_run(plain, *problem())
+    monkeypatch.setattr(attention_pass, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="torch_sm70attn"):
+        cap, _, ctr = compile_and_run(plain, *problem())
     assert cap.before == cap.after and ctr.get("sdpa_refused") == 1
+    assert not caplog.records  # asked for: no warning
+
+
+def warnings_of(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_refusal_warns_once_per_site_with_cause_and_fix(monkeypatch, caplog):
+    monkeypatch.setattr(attention_pass, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="torch_sm70attn"):
+        _, _, ctr = compile_and_run(own_mask, *problem(per_head=True))
+        assert ctr.get("sdpa_refused") == 1
+        # a recompile (new batch size) refuses again, counted, but the warning is not repeated
+        _, _, ctr = compile_and_run(own_mask, *problem(B=3, per_head=True))
+        assert ctr.get("sdpa_refused") == 1
+    (msg,) = warnings_of(caplog)
+    assert "the attention at " in msg and "test_fx_passes.py:" in msg and "in own_mask" in msg
+    assert "stays on the slow gather path: attn_mask is not sm70attn.verifier_mask" in msg
+    assert "To fix: pass attn_mask=torch_sm70attn.verifier_mask(seq_lens, Q, k.shape[2])" in msg
+
+
+def test_refusal_of_a_reused_gather_names_the_user(monkeypatch, caplog):
+    monkeypatch.setattr(attention_pass, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="torch_sm70attn"):
+        compile_and_run(reused, *problem())
+    (msg,) = warnings_of(caplog)
+    assert "is used elsewhere (by " in msg and "To fix: use the dequantized K/V only" in msg
+
+
+def test_no_warning_for_attention_without_a_float8_cache(monkeypatch, caplog):
+    monkeypatch.setattr(attention_pass, "_warned", set())
+
+    def fp16_attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = (torch.randn(2, 4, 8, 64).half() for _ in range(3))
+    with caplog.at_level(logging.WARNING, logger="torch_sm70attn"):
+        cap, _, ctr = compile_and_run(fp16_attention, q, k, v)
+    assert cap.before == cap.after and ctr.get("sdpa_refused") == 1
+    assert not warnings_of(caplog)
 
 
 # --- the cache write -------------------------------------------------------------------------

@@ -138,14 +138,21 @@ def bucket(n: int, buckets=(1, 2, 4, 8, 16, 32)) -> int:
     return buckets[i]
 
 
-def pad_batch(query, block_table, seq_lens, buckets=(1, 2, 4, 8, 16, 32)):
-    """Pad query [B, ...], block_table [B, W] and seq_lens [B] to the bucket of B.
+def pad_batch(query, block_table, seq_lens, buckets=(1, 2, 4, 8, 16, 32), width=None):
+    """Pad query [B, ...], block_table [B, W] and seq_lens [B] to the bucket of B, and the
+    table to `width` columns if given.
 
-    Padding requests have seq_len 0 (the op outputs 0 for them) and a table of page 0, so
-    each bucket is one recorded CUDA graph. Returns (query, block_table, seq_lens, B);
-    slice the output with [:B].
+    Padding requests have seq_len 0 (the op outputs 0 for them) and a table of page 0; padding
+    columns hold page 0 and are never read (the op reads only the pages a request reaches).
+    With mode="reduce-overhead" each (bucket, width) is one recorded CUDA graph, so a fixed
+    width (the most pages a request may hold) bounds the recordings to the buckets.
+    Returns (query, block_table, seq_lens, B); slice the output with [:B].
     """
-    B = query.shape[0]
+    B, W = block_table.shape
+    if width is not None and width < W:
+        raise ValueError(f"pad_batch: width {width} < the block table's {W} columns")
+    if width is not None and width > W:
+        block_table = torch.cat([block_table, block_table.new_zeros((B, width - W))], dim=1)
     n = bucket(B, buckets) - B
     if n == 0:
         return query, block_table, seq_lens, B

@@ -75,7 +75,7 @@ def _store_kv_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_s
 lib.impl("store_kv", _store_kv_ref, "CPU")
 
 # ---------------------------------------------------------------------------------------
-lib.define("verifier_mask(Tensor seq_lens, int q_rows, int kv_len) -> Tensor")
+lib.define("verifier_mask(Tensor seq_lens, SymInt q_rows, SymInt kv_len) -> Tensor")
 
 
 @torch.library.register_fake("sm70attn::verifier_mask", lib=lib)

@@ -64,11 +64,14 @@ def shape_refusal(query, key_cache, block_table=None, served_capacity=None) -> s
         return f"head dim {D} not in {MANIFEST.head_dims}"
     if H_kv == 0 or H_q % H_kv or H_q // H_kv not in MANIFEST.group_sizes:
         return f"group size H_q/H_kv = {H_q}/{H_kv} not in {MANIFEST.group_sizes}"
-    if Q not in MANIFEST.query_rows:
-        return f"query rows {Q} not in {MANIFEST.query_rows[0]}-{MANIFEST.query_rows[-1]}"
+    # Bounds, not membership: under torch.compile's dynamic shapes Q and the table width are
+    # symbolic, and these comparisons become range guards instead of one graph per value.
+    rows = MANIFEST.query_rows  # a contiguous range
+    if Q < rows[0] or Q > rows[-1]:
+        return f"query rows {Q} not in {rows[0]}-{rows[-1]}"
     if block_table is not None:
         capacity = block_table.shape[1] * page_size
-        bound = admitted_capacity(page_size, served_capacity)
+        bound = admitted_capacity(int(page_size), served_capacity)
         if capacity > bound:
             return f"block table capacity {capacity} exceeds the contract ({bound})"
     # The kernels load K/V rows 8 bytes at a time at least (16 where strides allow).
