@@ -89,3 +89,62 @@ def test_cudagraph_trees_buckets_and_replays(how, monkeypatch, record):
     assert worst < 1e-2, worst
     skips = counters["inductor"]["cudagraph_skips"]
     record(f"compile {how}", worst, f"{len(recordings)} recordings, {skips} cudagraph skips")
+
+
+# The serving loop of tests/test_serving_loop.py on the GPU: batch and table width change from
+# step to step (decode, then verify with changing query rows), Dynamo's automatic dynamic
+# shapes, CUDA graphs. Every compiled graph rewrites both layers; no cudagraph skips.
+LOOP = [(2, 3, 1), (3, 3, 1), (4, 5, 1), (5, 2, 1), (2, 6, 1), (3, 3, 4), (4, 5, 4), (2, 6, 8)]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("how", ["reduce-overhead", "inner-cudagraphs"])
+def test_serving_loop_dynamic_shapes_with_cuda_graphs(how, padded, monkeypatch, record):
+    from test_serving_loop import step_inputs
+    from torch._inductor import cudagraph_trees
+
+    recordings = []
+    orig = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def counting(self, new_inputs, function_id):
+        recordings.append(function_id)
+        return orig(self, new_inputs, function_id)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
+    torch.manual_seed(0)
+    ps, P = 16, 64
+    model = Served(P, ps).to(DEV).eval()
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    counters.clear()
+    kw = (
+        dict(mode="reduce-overhead")
+        if how == "reduce-overhead"
+        else dict(options={"inner": "cudagraphs"})
+    )
+    compiled = torch.compile(model, backend="sm70attn", fullgraph=True, **kw)
+    gen = torch.Generator().manual_seed(2)
+    worst, shapes = 0.0, set()
+    with torch.no_grad():
+        for B, W, Q in LOOP * 2:  # cudagraph trees record a shape when it comes again
+            x, bt, sl, slots = step_inputs(B, W, Q, gen, dim=256, ps=ps, P=P)
+            want = eager(x.to(DEV), bt.to(DEV), sl.to(DEV), slots.reshape(-1).to(DEV))
+            if padded:  # batch buckets 1, 2, 4, 8; the table padded to 8 pages
+                x, bt, sl, _ = pad_batch(x, bt, sl, width=8)
+                slots = torch.cat([slots, slots.new_full((x.shape[0] - B, Q), -1)])
+            shapes.add((x.shape[0], bt.shape[1], Q))
+            got = compiled(x.to(DEV), bt.to(DEV), sl.to(DEV), slots.reshape(-1).to(DEV))[:B]
+            worst = max(worst, rel_err(got, want.double()))
+    graphs = counters["stats"]["unique_graphs"]
+    c = counters["sm70attn"]
+    assert c["paged_attention_rewrite"] == 2 * graphs and not c.get("sdpa_refused"), dict(c)
+    assert c["store_kv_rewrite"] == 2 * graphs and not c.get("store_refused"), dict(c)
+    skips = counters["inductor"]["cudagraph_skips"]
+    assert skips == 0
+    assert len(recordings) == len(shapes), (len(recordings), shapes)
+    assert worst < 1e-2, worst
+    record(
+        f"loop {how}{' padded' if padded else ''}",
+        worst,
+        f"{len(LOOP)} steps, {graphs} graphs, {len(recordings)} recordings, {skips} skips",
+    )
