@@ -111,6 +111,7 @@ def test_serving_loop_dynamic_shapes_with_cuda_graphs(how, padded, monkeypatch, 
         return orig(self, new_inputs, function_id)
 
     monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # a graph per shape
     torch.manual_seed(0)
     ps, P = 16, 64
     model = Served(P, ps).to(DEV).eval()
@@ -141,7 +142,11 @@ def test_serving_loop_dynamic_shapes_with_cuda_graphs(how, padded, monkeypatch, 
     assert c["store_kv_rewrite"] == 2 * graphs and not c.get("store_refused"), dict(c)
     skips = counters["inductor"]["cudagraph_skips"]
     assert skips == 0
-    assert len(recordings) == len(shapes), (len(recordings), shapes)
+    # One recording per shape at most (a shape is recorded when it comes again); through
+    # AOT-eager every shape is its own graph (the backend makes sizes static).
+    assert 0 < len(recordings) <= len(shapes), (len(recordings), shapes)
+    if how == "inner-cudagraphs":
+        assert graphs == len(shapes), (graphs, shapes)
     assert worst < 1e-2, worst
     record(
         f"loop {how}{' padded' if padded else ''}",

@@ -94,12 +94,30 @@ def sm70attn_backend(gm: fx.GraphModule, example_inputs, mode=None, options=None
     if inner == "cudagraphs":
         from torch._dynamo.backends.cudagraphs import cudagraphs
 
+        _specialize(example_inputs)
         return cudagraphs(gm, example_inputs)  # AOT autograd + cudagraph trees
     if inner == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 
         return aot_eager(gm, example_inputs)
     return gm.forward
+
+
+def _specialize(example_inputs) -> None:
+    """Make every symbolic size of the inputs static (Dynamo guards on it: a new shape
+    recompiles). Through AOT-eager, cudagraph trees tell recordings apart by the graph's int
+    inputs only, which need not include every dynamic size: a recording for one batch size
+    would be replayed with the inputs of another (measured: a copy error on the H200). CUDA
+    graphs are one per shape anyway; pad_batch bounds the shapes."""
+    from torch.fx.experimental.symbolic_shapes import guard_int
+
+    for x in example_inputs:
+        sizes = [x] if isinstance(x, torch.SymInt) else []
+        if isinstance(x, torch.Tensor):
+            sizes = [*x.shape, *x.stride(), x.storage_offset()]
+        for s in sizes:
+            if isinstance(s, torch.SymInt):
+                guard_int(s)
 
 
 # --- for users of backend="inductor" --------------------------------------------------------
