@@ -22,11 +22,20 @@ graphs need no special case. K must arrive at SDPA as [B, (H, G), (PG, OFF), D] 
 then position t = pg * page_size + off and query head h = kv * G + g, exactly the op's
 semantics. The mask must be sm70attn.verifier_mask(seq_lens, Q, capacity), or the same mask
 written out with arange comparisons (fx_passes/mask.py proves it); or, for decode
-(Q = 1), absent: every position kept (all, or the first L after a static slice such as one
+(Q = 1), absent: every position kept (all, or the first L after a slice such as one
 request's exact length) is visible, which is the op with seq_lens = L.
 
+Under dynamic shapes (a serving loop recompiles as its batch and table width change) atom
+sizes are SymInts: every size comparison asks whether it is provable (common.same) and adds
+no guard, so the graph keeps serving every batch size. User code that reads K/V's sizes
+(`k.shape[2]`) leaves `size()` nodes on the chain; they read no data, and the rewrite
+recomputes them from the block table and the cache. Only what the kernels need as constants
+(head dim, page size, KV heads, group size) is made static, once the rewrite is decided.
+
 Whatever cannot be proven leaves the graph unchanged; the reason is logged at DEBUG on
-logger "torch_sm70attn" and counted in torch._dynamo.utils.counters["sm70attn"].
+logger "torch_sm70attn" and counted in torch._dynamo.utils.counters["sm70attn"]. Where the
+SDPA reads a float8 cache (the model asked for this backend, so a refusal is news), the
+cause and what to change are logged once per source line at WARNING.
 """
 
 from __future__ import annotations
@@ -466,9 +475,10 @@ def _check_kv(lay: Layout, H_q, gqa: bool, what: str) -> None:
         raise Refused(f"{what}: {H} KV heads x group {G} != {H_q} query heads")
 
 
-def _seq_lens(graph, sdpa, mask, k: Layout, v: Layout, B, Q, T, device):
-    """The op's seq_lens: the verifier mask's, or for decode without a mask (every key visible,
-    also with K/V cut to a length, e.g. one request's exact length) the gathered length."""
+def _seq_lens(graph, sdpa, mask, k: Layout, v: Layout, B, Q, T):
+    """The op's seq_lens: the verifier mask's, or None for decode without a mask (every key
+    visible, also with K/V cut to a length, e.g. one request's exact length: the op then
+    takes the gathered length, `_gathered_lens`). Adds nothing to the graph."""
     if mask is None:
         if not one(Q):
             raise Refused(f"no attn_mask with Q = {Q} > 1 (rows would see the same keys)", MASK_FIX)
@@ -479,12 +489,7 @@ def _seq_lens(graph, sdpa, mask, k: Layout, v: Layout, B, Q, T, device):
             )
         ):
             raise Refused("K and V cut to different lengths")
-        n = k.length if k.length is not None else _size_node(graph, k, ("PG", "OFF"))
-        rows = _size_node(graph, k, ("B",))
-        full = graph.call_function(
-            torch.full, ((rows,), n), {"dtype": torch.int32, "device": device}
-        )
-        return fake(full)
+        return None
     if k.length is not None or v.length is not None:
         raise Refused("K/V cut to a length shorter than the table, with a mask")
     if not isinstance(mask, fx.Node):
@@ -513,6 +518,15 @@ def _seq_lens(graph, sdpa, mask, k: Layout, v: Layout, B, Q, T, device):
     if why:
         raise Refused(why)
     return seq_lens
+
+
+def _gathered_lens(graph: fx.Graph, k: Layout, device) -> fx.Node:
+    """seq_lens of an unmasked decode: [B] int32 filled with the gathered (or cut) length."""
+    n = k.length if k.length is not None else _size_node(graph, k, ("PG", "OFF"))
+    rows = _size_node(graph, k, ("B",))
+    return fake(
+        graph.call_function(torch.full, ((rows,), n), {"dtype": torch.int32, "device": device})
+    )
 
 
 def rewrite_sdpa(graph: fx.Graph, sdpa: fx.Node) -> None:
@@ -552,6 +566,7 @@ def rewrite_sdpa(graph: fx.Graph, sdpa: fx.Node) -> None:
         raise Refused("TORCH_SM70ATTN_DISABLE=1")
     if scale is not None and not isinstance(scale, (int, float)):
         raise Refused("SDPA scale is not a Python number")
+    seq_lens = _seq_lens(graph, sdpa, mask, k, v, B, Q, T)
     # The op reads everything at the SDPA; eager read the cache and table at the gather, a
     # scale at its multiply, seq_lens where the mask was built: nothing may write them between.
     for lay in (k, v):
@@ -575,7 +590,8 @@ def rewrite_sdpa(graph: fx.Graph, sdpa: fx.Node) -> None:
         scale = static(D) ** -0.5
 
     with graph.inserting_before(sdpa):
-        seq_lens = _seq_lens(graph, sdpa, mask, k, v, B, Q, T, q.device)
+        if seq_lens is None:
+            seq_lens = _gathered_lens(graph, k, q.device)
         ks = scale_node(graph, k.scale, q.device)
         vs = scale_node(graph, v.scale, q.device)
         fused = graph.call_function(
