@@ -4,11 +4,12 @@ no cudagraph skips, one recording per batch bucket, replays with new lengths and
 equal to eager."""
 
 import copy
+import functools
 
 import pytest
+import test_serving_loop
 import torch
 from oracle import rel_err
-from test_fx_passes import Decoder
 from torch._dynamo.utils import counters
 
 import torch_sm70attn  # noqa: F401
@@ -16,49 +17,36 @@ from torch_sm70attn.backend import pad_batch
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
-FP8 = torch.float8_e4m3fn
 
 
-class Served(torch.nn.Module):
+def Served(P, ps):
     """The toy decoder with its paged caches as buffers (static inputs of the graphs)."""
-
-    def __init__(self, P, ps, H=2, D=128, G=6, layers=2):
-        super().__init__()
-        self.dec = Decoder(layers=layers, dim=256, H=H, D=D, G=G).half()  # before the fp8 caches
-        for i in range(layers):
-            for kv in "kv":
-                self.register_buffer(f"{kv}{i}", (torch.randn(P, ps, H, D) * 8).to(FP8))
-
-    def forward(self, x, bt, sl, slots):
-        caches = [
-            (getattr(self, f"k{i}"), getattr(self, f"v{i}")) for i in range(len(self.dec.layers))
-        ]
-        return self.dec(x, caches, bt, sl, slots)
+    return test_serving_loop.Served(P=P, ps=ps, H=2, D=128, G=6, dim=256)
 
 
 def step_inputs(B, Q, ps, P, W, gen):
-    """A decode/verify step: lengths, shuffled tables (the last page kept free, so that eager
-    writes of padding slot -1 land there), slots of the Q new tokens."""
-    bt = torch.randperm(P - 1, generator=gen)[: B * W].view(B, W).int()  # disjoint pages
-    sl = torch.randint(Q, W * ps + 1, (B,), generator=gen).int()
-    pos = sl[:, None] - Q + torch.arange(Q)
-    slots = (bt.gather(1, (pos // ps).long()) * ps + pos % ps).long()
-    x = torch.randn(B, Q, 256, generator=gen).half()
-    return x, bt, sl, slots
+    return test_serving_loop.step_inputs(B, W, Q, gen, dim=256, ps=ps, P=P)
 
 
-@pytest.mark.parametrize("how", ["reduce-overhead", "inner-cudagraphs"])
-def test_cudagraph_trees_buckets_and_replays(how, monkeypatch, record):
+@pytest.fixture
+def recordings(monkeypatch):
+    """The function ids cudagraph trees record a CUDA graph for, in order."""
     from torch._inductor import cudagraph_trees
 
-    recordings = []
+    seen = []
     orig = cudagraph_trees.CUDAGraphTreeManager.record_function
 
+    @functools.wraps(orig)
     def counting(self, new_inputs, function_id):
-        recordings.append(function_id)
+        seen.append(function_id)
         return orig(self, new_inputs, function_id)
 
     monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
+    return seen
+
+
+@pytest.mark.parametrize("how", ["reduce-overhead", "inner-cudagraphs"])
+def test_cudagraph_trees_buckets_and_replays(how, recordings, record):
     torch.manual_seed(0)
     Q, ps, P, W = 4, 16, 64, 6
     model = Served(P, ps).to(DEV).eval()
@@ -99,18 +87,7 @@ LOOP = [(2, 3, 1), (3, 3, 1), (4, 5, 1), (5, 2, 1), (2, 6, 1), (3, 3, 4), (4, 5,
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("how", ["reduce-overhead", "inner-cudagraphs"])
-def test_serving_loop_dynamic_shapes_with_cuda_graphs(how, padded, monkeypatch, record):
-    from test_serving_loop import step_inputs
-    from torch._inductor import cudagraph_trees
-
-    recordings = []
-    orig = cudagraph_trees.CUDAGraphTreeManager.record_function
-
-    def counting(self, new_inputs, function_id):
-        recordings.append(function_id)
-        return orig(self, new_inputs, function_id)
-
-    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
+def test_serving_loop_dynamic_shapes_with_cuda_graphs(how, padded, recordings, monkeypatch, record):
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # a graph per shape
     torch.manual_seed(0)
     ps, P = 16, 64
@@ -128,7 +105,7 @@ def test_serving_loop_dynamic_shapes_with_cuda_graphs(how, padded, monkeypatch, 
     worst, shapes = 0.0, set()
     with torch.no_grad():
         for B, W, Q in LOOP * 2:  # cudagraph trees record a shape when it comes again
-            x, bt, sl, slots = step_inputs(B, W, Q, gen, dim=256, ps=ps, P=P)
+            x, bt, sl, slots = step_inputs(B, Q, ps, P, W, gen)
             want = eager(x.to(DEV), bt.to(DEV), sl.to(DEV), slots.reshape(-1).to(DEV))
             if padded:  # batch buckets 1, 2, 4, 8; the table padded to 8 pages
                 x, bt, sl, _ = pad_batch(x, bt, sl, width=8)
