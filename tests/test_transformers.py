@@ -1,0 +1,183 @@
+"""The transformers integration on a real (tiny, randomly initialised) Qwen3 from
+transformers' own classes: greedy generation through the paged E4M3 cache equals the stock
+SDPA path over the same quantized values, prompt-lookup speculative decoding (verify steps of
+up to 5 rows, rollback by crop) emits exactly the greedy tokens, and the routes, scales and
+errors hold."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from oracle import rel_err  # noqa: E402
+from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config  # noqa: E402
+
+import torch_sm70attn as sa  # noqa: E402
+from torch_sm70attn.integrations import transformers as hf  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+KS, VS = 0.03, 0.02  # fixed scales, so that the stock path can quantize alike
+
+
+@pytest.fixture(scope="module")
+def model():
+    hf.register()
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=256,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=512,
+    )
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=hf.NAME, dtype=torch.float16)
+
+
+def prompt(n=20, repeat=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (1, n), generator=g)
+    return torch.cat([ids, ids[:, :repeat]], 1)  # a repetition for prompt lookup to find
+
+
+class QuantizedDynamicCache(DynamicCache):
+    """The stock cache holding what the paged cache holds: e4m3(x / scale) * scale."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        def q(x, s):
+            return ((x.float() / s).clamp(-448, 448).to(FP8).float() * s).to(x.dtype)
+
+        return super().update(q(key_states, KS), q(value_states, VS), layer_idx, *args, **kwargs)
+
+
+def paged(model, **kw):
+    return hf.PagedE4M3Cache(model.config, max_tokens=256, k_scale=KS, v_scale=VS, **kw)
+
+
+def generate(model, ids, cache, **kw):
+    with torch.no_grad():
+        return model.generate(ids, cache=cache, max_new_tokens=24, do_sample=False, **kw)
+
+
+def test_greedy_equals_stock_sdpa_over_the_same_quantized_values(model):
+    ids = prompt()
+    ours = generate(model, ids, paged(model))
+    model.set_attn_implementation("sdpa")
+    try:
+        stock = generate(model, ids, QuantizedDynamicCache())
+        # and the logits of one prefill + decode step, side by side
+        with torch.no_grad():
+            want = model(ids, cache=QuantizedDynamicCache()).logits
+    finally:
+        model.set_attn_implementation(hf.NAME)
+    assert torch.equal(ours, stock), (ours[0, ids.shape[1] :], stock[0, ids.shape[1] :])
+    with torch.no_grad():
+        got = model(ids, cache=paged(model)).logits
+    assert rel_err(got, want.double()) < 5e-3
+
+
+def test_prompt_lookup_verify_steps_emit_the_greedy_tokens(model, monkeypatch):
+    rows, crops = [], []
+    paged_attention = sa.paged_attention
+
+    def counting(query, *args, **kw):
+        rows.append(query.shape[2])
+        return paged_attention(query, *args, **kw)
+
+    monkeypatch.setattr(sa, "paged_attention", counting)
+    monkeypatch.setattr(hf.sa, "paged_attention", counting)
+    ids = prompt(seed=1)
+    greedy = generate(model, ids, paged(model))
+    rows.clear()
+    cache = paged(model)
+    crop = cache.crop
+    cache.crop = lambda n: (crops.append(n), crop(n))[1]
+    spec = generate(model, ids, cache, prompt_lookup_num_tokens=4)
+    assert torch.equal(spec, greedy)
+    assert max(rows) > 1, rows  # verify steps of several rows went through the fused op
+    assert any(n < 0 for n in crops), crops  # and rejected drafts were rolled back
+    assert cache.get_seq_length() == spec.shape[1] - 1  # the last token is not stored yet
+
+
+def test_prefill_route_matches_the_op():
+    """More than 16 rows (a prompt) take SDPA over the dequantized pages: same numbers as
+    the op's reference, which applies the same rule to any number of rows."""
+    g = torch.Generator().manual_seed(3)
+    B, H, G, D, ps, P, W, Q = 2, 2, 4, 128, 16, 12, 4, 21
+    q = torch.randn(B, H * G, Q, D, generator=g).half()
+    kc = (torch.randn(P, ps, H, D, generator=g) * 8).to(FP8)
+    vc = (torch.randn(P, ps, H, D, generator=g) * 8).to(FP8)
+    bt = torch.randperm(P, generator=g)[: B * W].view(B, W).int()
+    sl = torch.tensor([Q, 50], dtype=torch.int32)
+    ks, vs = torch.tensor([0.05, 0.07]), torch.tensor([0.04, 0.03])
+    got = hf._prefill(q, kc, vc, bt, sl, D**-0.5, ks, vs)
+    want = sa.paged_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
+    assert rel_err(got, want.double()) < 2e-3
+
+
+def test_scales_calibrated_per_kv_head_at_the_first_write(model):
+    cache = hf.PagedE4M3Cache(model.config, max_tokens=256)
+    with torch.no_grad():
+        model(prompt(), cache=cache)
+    for layer in cache.layers:
+        assert layer.k_scale.shape == (2,) and layer.k_scale.dtype == torch.float32
+        assert (layer.k_scale > 0).all() and not torch.equal(layer.k_scale, layer.v_scale)
+        # amax / 448 with 2x headroom: the largest stored code is about 224
+        assert 150 < layer.keys.float().abs().max() <= 240
+
+
+def test_crop_and_reset(model):
+    cache = paged(model)
+    with torch.no_grad():
+        model(prompt(), cache=cache)
+    assert cache.get_seq_length() == 30 and cache.get_mask_sizes(4, 0) == (34, 0)
+    cache.crop(-5)
+    assert cache.get_seq_length() == 25
+    with pytest.raises(ValueError, match="minus the number"):
+        cache.crop(3)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and len(cache._free) == cache.num_pages
+
+
+def test_equal_length_batch_matches_each_request_alone(model):
+    ids = torch.cat([prompt(seed=4), prompt(seed=5)])
+    both = generate(model, ids, paged(model, max_batch_size=2))
+    for b in range(2):
+        alone = generate(model, ids[b : b + 1], paged(model))
+        assert torch.equal(both[b : b + 1], alone)
+
+
+def test_errors_say_what_to_do(model):
+    ids = torch.cat([prompt(seed=6), prompt(seed=7)])
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    with pytest.raises(ValueError, match="padding"):
+        with torch.no_grad():
+            model.generate(
+                ids, attention_mask=mask, cache=paged(model, max_batch_size=2), max_new_tokens=2
+            )
+    with pytest.raises(RuntimeError, match="raise max_tokens"):
+        with torch.no_grad():
+            model(prompt(), cache=hf.PagedE4M3Cache(model.config, max_tokens=16))
+    with pytest.raises(ValueError, match="max_batch_size"):
+        with torch.no_grad():
+            model(ids, cache=paged(model))
+    assert hf.register() == hf.register() == "sm70attn"
+
+
+def test_float32_model_is_refused_with_the_fix():
+    hf.register()
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=128,
+    )
+    m = AutoModelForCausalLM.from_config(cfg, attn_implementation=hf.NAME, dtype=torch.float32)
+    with pytest.raises(TypeError, match="dtype=torch.float16"):
+        with torch.no_grad():
+            m(torch.randint(0, 64, (1, 4)), cache=hf.PagedE4M3Cache(m.config, max_tokens=64))

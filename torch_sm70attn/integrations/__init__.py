@@ -1,0 +1,2 @@
+"""Integrations with other libraries, each an optional extra (transformers: `pip install
+torch-sm70attn[hf]`)."""
