@@ -340,12 +340,22 @@ def test_store_then_attend_round_trip(record):
     assert err < 2e-3
 
 
-def test_demo_uses_the_cuda_route():
+def test_check_uses_the_cuda_route():
     from test_ops import _cli
 
-    r = _cli("demo", "--reps", "3")
+    r = _cli("check", "--reps", "3")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("route=cuda") == 2, r.stdout
+
+
+def test_model_demo_on_the_gpu():
+    pytest.importorskip("transformers")
+    from test_ops import _cli
+
+    r = _cli("demo", "--context", "4096", "--layers", "2", "--new-tokens", "16")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "route of a decode step: cuda" in r.stdout, r.stdout
+    print(r.stdout)
 
 
 def test_sanitizer_smoke():

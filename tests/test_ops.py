@@ -358,8 +358,8 @@ def test_cli_info():
     assert "CUDA library:" in r.stdout
 
 
-def test_cli_demo():
-    r = _cli("demo", "--device", "cpu", "--context", "2000", "--reps", "1")
+def test_cli_check():
+    r = _cli("check", "--device", "cpu", "--context", "2000", "--reps", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(" ok") == 2, r.stdout
 
@@ -371,18 +371,18 @@ def test_cli_info_without_gpu():
     assert "arch none" not in lib and "no GPU" in lib, lib
 
 
-def test_cli_demo_small_context():
-    r = _cli("demo", "--device", "cpu", "--context", "100", "--reps", "1")
+def test_cli_check_small_context():
+    r = _cli("check", "--device", "cpu", "--context", "100", "--reps", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(" ok") == 2, r.stdout
     for bad in ("0", "-5", "7"):
-        r = _cli("demo", "--device", "cpu", "--context", bad)
+        r = _cli("check", "--device", "cpu", "--context", bad)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert "argument --context: must be >= 8" in r.stderr, r.stderr
 
 
-def test_cli_demo_cuda_without_gpu():
-    r = _cli("demo", "--device", "cuda", "--reps", "1", CUDA_VISIBLE_DEVICES="")
+def test_cli_check_cuda_without_gpu():
+    r = _cli("check", "--device", "cuda", "--reps", "1", CUDA_VISIBLE_DEVICES="")
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert "argument --device: cuda is not available" in r.stderr, r.stderr
     assert "--device cpu" in r.stderr, r.stderr

@@ -181,3 +181,16 @@ def test_float32_model_is_refused_with_the_fix():
     with pytest.raises(TypeError, match="dtype=torch.float16"):
         with torch.no_grad():
             m(torch.randint(0, 64, (1, 4)), cache=hf.PagedE4M3Cache(m.config, max_tokens=64))
+
+
+def test_cli_demo_runs_the_model():
+    from test_ops import _cli
+
+    r = _cli("demo", "--device", "cpu", "--context", "64", "--new-tokens", "8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "route of a decode step: reference" in out
+    for line in ("stock sdpa, fp16 cache", "sm70attn, decode", "sm70attn, prompt lookup 4"):
+        assert line in out, out
+    assert "largest logit deviation from the stock path" in out
+    assert "prompt lookup emits the greedy tokens: yes" in out, out

@@ -1,4 +1,4 @@
-"""python -m torch_sm70attn {info,demo,build}"""
+"""python -m torch_sm70attn {info,build,demo,check}"""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def sdpa_over_gather(query, key_cache, value_cache, block_table, seq_lens, k_sca
 VERIFY_Q = 8  # query rows of the demo's verify step: the least context it can check
 
 
-def demo(args) -> int:
+def check(args) -> int:
     dev = args.device or _device()
     B, H_kv, G, D, page = 2, 2, 6, 256, 1648
     lens = [max(args.context - 900, args.context // 2, VERIFY_Q), args.context]
@@ -205,14 +205,49 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions, device, manifest, routes, CUDA library status")
     sub.add_parser("build", help="JIT-build the CUDA library now (honours TORCH_CUDA_ARCH_LIST)")
-    d = sub.add_parser("demo", help="a paged decode + verify step, checked against SDPA")
+    d = sub.add_parser(
+        "demo",
+        help="a Qwen3-architecture model generating through the paged E4M3 cache (prefill, "
+        "decode, speculative verify) against transformers' stock path (needs the hf extra)",
+    )
     d.add_argument("--device", type=_demo_device, help="cpu or cuda (default: cuda if present)")
-    d.add_argument(
+    d.add_argument("--context", type=_at_least(1), help="prompt tokens (CPU 200, GPU 32768)")
+    d.add_argument("--batch", type=_at_least(1), default=1, help="requests (prompt lookup: 1)")
+    d.add_argument("--layers", type=_at_least(1), help="decoder layers (CPU 2, GPU 4)")
+    d.add_argument("--draft", type=_at_least(1), default=4, help="prompt-lookup draft tokens")
+    d.add_argument("--new-tokens", type=_at_least(2), help="tokens to generate (CPU 24, GPU 64)")
+    c = sub.add_parser("check", help="one paged decode + verify step, checked against SDPA")
+    c.add_argument("--device", type=_demo_device, help="cpu or cuda (default: cuda if present)")
+    c.add_argument(
         "--context", type=_at_least(VERIFY_Q), default=5000, help="longest request, tokens"
     )
-    d.add_argument("--reps", type=_at_least(1), default=5)
+    c.add_argument("--reps", type=_at_least(1), default=5)
     args = ap.parse_args(argv)
-    return {"info": info, "build": build, "demo": demo}[args.cmd](args)
+    return {"info": info, "build": build, "demo": demo, "check": check}[args.cmd](args)
+
+
+def demo(args) -> int:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(
+            "the demo runs a transformers model: pip install 'torch-sm70attn[hf]' "
+            "(or 'python -m torch_sm70attn check' for the op alone)",
+            file=sys.stderr,
+        )
+        return 2
+    from .integrations import demo as model_demo
+
+    dev = args.device or _device()
+    gpu = dev.type == "cuda"
+    return model_demo.run(
+        dev,
+        context=args.context or (32768 if gpu else 200),
+        batch=args.batch,
+        layers=args.layers or (4 if gpu else 2),
+        draft=args.draft,
+        new=args.new_tokens or (64 if gpu else 24),
+    )
 
 
 if __name__ == "__main__":
