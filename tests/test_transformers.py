@@ -114,6 +114,11 @@ def test_prefill_route_matches_the_op():
     got = hf._prefill(q, kc, vc, bt, sl, D**-0.5, ks, vs)
     want = sa.paged_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
     assert rel_err(got, want.double()) < 2e-3
+    # a fresh prompt (every request holds just its Q tokens): causal attention, no mask
+    sl = torch.tensor([Q, Q], dtype=torch.int32)
+    got = hf._prefill(q, kc, vc, bt, sl, D**-0.5, ks, vs, fresh=True)
+    want = sa.paged_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
+    assert rel_err(got, want.double()) < 2e-3
 
 
 def test_scales_calibrated_per_kv_head_at_the_first_write(model):

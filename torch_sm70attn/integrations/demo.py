@@ -97,10 +97,13 @@ def run(device: torch.device, context: int, batch: int, layers: int, draft: int,
 
     model.set_attn_implementation("sdpa")
     _say("stock transformers (sdpa attention, float16 DynamicCache) ...")
+    _generate(model, ids, None, 2)  # warm-up
+    t_ref0 = _generate(model, ids, None, 1)[2]  # the prompt alone
     ref, ref_logits, t_ref = _generate(model, ids, None, new)
     model.set_attn_implementation(NAME)
     _say("torch_sm70attn (paged E4M3 cache) ...")
     _generate(model, ids, cache(), 2)  # warm-up: the first calls build, tune, allocate
+    t_ours0 = _generate(model, ids, cache(), 1)[2]
     ours, logits, t_ours = _generate(model, ids, cache(), new)
     spec_rows = []
     paged = sa.paged_attention
@@ -109,10 +112,12 @@ def run(device: torch.device, context: int, batch: int, layers: int, draft: int,
         spec_rows.append(query.shape[2])
         return paged(query, *args, **kw)
 
-    tps = batch * new
-    _say(f"{'path':<34} {'s':>7} {'tokens/s':>9}")
-    _say(f"{'stock sdpa, fp16 cache':<34} {t_ref:7.2f} {tps / t_ref:9.1f}")
-    _say(f"{'sm70attn, decode':<34} {t_ours:7.2f} {tps / t_ours:9.1f}")
+    def line(name, t0, t):  # the prompt's time, and tokens/s after it
+        _say(f"{name:<30} {t0:9.3f} {batch * (new - 1) / (t - t0):16.1f}")
+
+    _say(f"{'path':<30} {'prompt s':>9} {'decode tokens/s':>16}")
+    line("stock sdpa, fp16 cache", t_ref0, t_ref)
+    line("sm70attn, decode", t_ours0, t_ours)
     if batch == 1:  # transformers' assisted generation takes one request
         sa.paged_attention = counting  # count the verify steps
         try:
@@ -120,7 +125,7 @@ def run(device: torch.device, context: int, batch: int, layers: int, draft: int,
         finally:
             sa.paged_attention = paged
         steps = len(spec_rows) // layers
-        _say(f"{'sm70attn, prompt lookup ' + str(draft):<34} {t_spec:7.2f} {tps / t_spec:9.1f}")
+        line(f"sm70attn, prompt lookup {draft}", t_ours0, t_spec)
         _say(
             f"prompt lookup: {steps} verify steps after the prompt for {new} tokens "
             f"({new / max(steps, 1):.2f} tokens per step; up to {max(spec_rows)} rows a step)"

@@ -167,6 +167,7 @@ class PagedE4M3Cache(Cache):
                 f"PagedE4M3Cache holds {len(self._lens)} requests, the forward has {B}"
             )
         ps, slots = self.page_size, []
+        fresh = not any(self._lens)  # a prompt: every request holds just these Q tokens
         for b in range(B):
             start, end = self._lens[b], self._lens[b] + Q
             while len(self._pages[b]) * ps < end:
@@ -184,6 +185,7 @@ class PagedE4M3Cache(Cache):
             torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
             torch.tensor(table, dtype=torch.int32).to(device, non_blocking=True),
             torch.tensor(self._lens, dtype=torch.int32).to(device, non_blocking=True),
+            fresh,
         )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -195,7 +197,7 @@ class PagedE4M3Cache(Cache):
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
-        slots, table, lens = self._step
+        slots, table, lens, fresh = self._step
         sa.store_kv(
             key_states.transpose(1, 2).reshape(B * Q, H, D).half(),
             value_states.transpose(1, 2).reshape(B * Q, H, D).half(),
@@ -211,7 +213,15 @@ class PagedE4M3Cache(Cache):
                 "PagedE4M3Cache: the model did not pass its attention kwargs to cache.update("
                 "..., kwargs=...), so the sm70attn attention cannot find the paged cache"
             )
-        attn_kwargs[NAME] = (layer.keys, layer.values, table, lens, layer.k_scale, layer.v_scale)
+        attn_kwargs[NAME] = (
+            layer.keys,
+            layer.values,
+            table,
+            lens,
+            layer.k_scale,
+            layer.v_scale,
+            fresh,
+        )
         return key_states, value_states
 
 
@@ -230,7 +240,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True
         )
         return out.transpose(1, 2), None
-    kc, vc, table, lens, ks, vs = paged
+    kc, vc, table, lens, ks, vs, fresh = paged
     if query.dtype != torch.float16:
         raise TypeError(
             f"sm70attn attention needs a float16 model, got {query.dtype}: load it with "
@@ -239,24 +249,30 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if query.shape[2] <= MAX_ROWS:
         out = sa.paged_attention(query, kc, vc, table, lens, scale=scaling, k_scale=ks, v_scale=vs)
     else:
-        out = _prefill(query, kc, vc, table, lens, scaling, ks, vs)
+        out = _prefill(query, kc, vc, table, lens, scaling, ks, vs, fresh)
     return out.transpose(1, 2), None
 
 
-def _prefill(query, kc, vc, table, lens, scale, ks, vs):
+def _prefill(query, kc, vc, table, lens, scale, ks, vs, fresh=False):
     """More than 16 query rows: SDPA over the request's pages, dequantized (FP32 on the CPU,
-    where half-precision SDPA is slow and rounds more), with the op's visibility rule."""
+    where half-precision SDPA is slow and rounds more), with the op's visibility rule. A fresh
+    prompt (every request holds just these Q tokens) is plain causal attention over its first
+    Q positions; otherwise (a chunked prefill) the rule is a [B, 1, Q, capacity] mask."""
     B, H_q, Q, D = query.shape
     H = kc.shape[2]
     dt = query.dtype if query.is_cuda else torch.float32
     k = kc[table].flatten(1, 2).to(dt) * ks.view(1, 1, H, 1).to(dt)
     v = vc[table].flatten(1, 2).to(dt) * vs.view(1, 1, H, 1).to(dt)
-    mask = sa.verifier_mask(lens, Q, k.shape[1])
+    if fresh:
+        k, v, mask = k[:, :Q], v[:, :Q], None
+    else:
+        mask = sa.verifier_mask(lens, Q, k.shape[1])
     out = F.scaled_dot_product_attention(
         query.to(dt),
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=mask,
+        is_causal=fresh,
         scale=scale,
         enable_gqa=True,
     )
