@@ -1,6 +1,7 @@
 // CPU emulation of the CUDA features the kernels use: one fiber (ucontext) per CUDA thread,
 // cooperative scheduling in a random order between barriers, deadlock detection.
 #pragma once
+#include <sys/mman.h>
 #include <ucontext.h>
 #include <algorithm>
 #include <cmath>
@@ -37,7 +38,7 @@ using std::min;
 
 namespace emu {
 enum State { RUN, WAIT_CTA, WAIT_WARP, DONE };
-struct Fiber { ucontext_t ctx; std::vector<char> stack; dim3 tid; State state; };
+struct Fiber { ucontext_t ctx; dim3 tid; State state; };
 inline std::vector<Fiber> fibers;
 inline int cur = 0;
 inline ucontext_t sched;
@@ -47,6 +48,19 @@ inline std::function<void()> body;
 inline std::mt19937 rng(1);
 inline bool randomize = true;
 inline long long mma_calls = 0, mma_computed = 0;
+
+// Fiber i's stack: 64 KB (the kernels use under 20) above as much inaccessible memory, so that an
+// overflow faults rather than corrupts; made once, kept for every later CTA.
+constexpr size_t STACK_BYTES = 64 * 1024;
+inline std::vector<char*> stacks;
+inline char* stack(int i) {
+  while ((int)stacks.size() <= i) {
+    void* m = mmap(nullptr, 2 * STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED || mprotect(m, STACK_BYTES, PROT_NONE) != 0) { perror("fiber stack"); abort(); }
+    stacks.push_back((char*)m + STACK_BYTES);
+  }
+  return stacks[i];
+}
 
 inline void wait(State s) {
   fibers[cur].state = s;
@@ -68,12 +82,15 @@ inline void run_block(dim3 bidx, dim3 grid, int threads, std::function<void()> f
   reset_mma_cache();
   for (int i = 0; i < threads; ++i) {
     Fiber& f = fibers[i];
-    f.stack.resize(256 * 1024);
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.data();
-    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_stack.ss_sp = stack(i);
+    f.ctx.uc_stack.ss_size = STACK_BYTES;
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, entry, 0);
+    // Hidden from ASan's swapcontext, which would clear the shadow of the whole stack at every
+    // switch into the fiber: most of the run time, and it drops the redzones of the live frames.
+    // Nothing stale to clear: a finished fiber has returned from all of its frames.
+    f.ctx.uc_stack = {};
     f.tid = dim3(i);
     f.state = RUN;
   }

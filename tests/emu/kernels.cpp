@@ -3,18 +3,15 @@
 // a fiber, scheduled in a random order between barriers (a missing barrier shows as a wrong or
 // schedule-dependent result; mixed barriers as a deadlock), mma.h does WMMA per warp and checks
 // that every lane passed the same inputs. Global buffers are exact-size copies, so
-// AddressSanitizer catches out-of-bounds reads and writes. tests/test_emulated_kernels.py builds
-// and runs it; by hand, from the repository root:
-//   g++ -std=c++17 -O1 -fsanitize=address -Itests/emu -Icsrc tests/emu/kernels.cpp -o /tmp/k
-//   /tmp/k [case]        (no case: all of them, several minutes)
-#include "emu_runtime.h"
-#include "cuda_fp16.h"
-namespace sm70attn { alignas(128) unsigned char smem[100 * 1024]; }
-#include "sm70attn/combine.cuh"
-#include "sm70attn/paged_attention.cuh"
+// AddressSanitizer catches out-of-bounds reads and writes. The kernels themselves compile in
+// kernel_shard.cpp. tests/test_emulated_kernels.py builds it (the shards in parallel) and runs
+// it; by hand, from the repository root:
+//   g++ -std=c++17 -Og -fsanitize=address -Itests/emu -Icsrc tests/emu/kernels.cpp tests/emu/kernel_shard.cpp -o /tmp/k
+//   /tmp/k [case]        (no case: all of them, a few minutes)
+#include "emu_launch.h"
 #include "sm70attn/plan.h"
-#include "sm70attn/static_switch.h"
 #include "sm70attn/store_kv.cuh"
+namespace sm70attn { alignas(128) unsigned char smem[100 * 1024]; }
 
 using namespace sm70attn;
 
@@ -102,16 +99,6 @@ std::vector<double> reference(const Problem& p) {
   return out;
 }
 
-// Every CTA of a grid, one after another, each on shared memory poisoned with NaN bytes.
-template <class F>
-void launch(dim3 grid, int threads, F kernel) {
-  for (unsigned y = 0; y < grid.y; ++y)
-    for (unsigned x = 0; x < grid.x; ++x) {
-      memset(smem, 0xFF, sizeof smem);
-      emu::run_block(dim3(x, y), grid, threads, kernel);
-    }
-}
-
 static bool g_q_misaligned = false;
 static int g_ctas_per_sm = 2;
 std::vector<unsigned short> run(Problem& p, int num_sms, int* splits_out = nullptr, int force_splits = 0) {
@@ -149,15 +136,13 @@ std::vector<unsigned short> run(Problem& p, int num_sms, int* splits_out = nullp
   set_divisors(a);
   const int vec = (p.k_off % 16 == 0 && p.v_off % 16 == 0 && p.s_page % 16 == 0 && p.s_tok % 16 == 0 && p.s_head % 16 == 0) ? 16 : 8;
   bool found = attn_switch(p.D, plan.mb, vec, [&](auto kt) {
-    using KT = decltype(kt);
-    static_assert(KT::SMEM_BYTES <= sizeof(smem), "");
-    launch(dim3(p.B * p.H_kv * plan.row_groups, plan.num_splits), KT::THREADS, [&] { paged_attention_kernel<KT>(a); });
+    launch_attn<decltype(kt)>(dim3(p.B * p.H_kv * plan.row_groups, plan.num_splits), a);
   });
   if (!found) { fprintf(stderr, "no kernel for D%d MB%d VEC%d\n", p.D, plan.mb, vec); abort(); }
   if (plan.num_splits > 1)
     combine_switch(p.D, [&](auto ct) {
       using CT = decltype(ct);
-      launch(dim3((unsigned)((i64)p.B * p.H_q * p.Q), CT::D / CT::CW), CT::THREADS, [&] { combine_kernel<CT>(a); });
+      launch_combine<CT>(dim3((unsigned)((i64)p.B * p.H_q * p.Q), CT::D / CT::CW), a);
     });
   delete qv; delete kv; delete bt; delete sl; delete ks; delete vs;
   return out;

@@ -1,0 +1,52 @@
+// The launchers of one shard of the kernels of static_switch.h: with -DEMU_SHARDS=n -DEMU_SHARD=i,
+// the kernels whose place in the two lists (counted by __COUNTER__) is i mod n; without them, one
+// shard of all. The test compiles the shards in parallel and links them with kernels.cpp.
+#include "emu_launch.h"
+#include "sm70attn/combine.cuh"
+#include "sm70attn/paged_attention.cuh"
+
+#ifndef EMU_SHARDS
+#define EMU_SHARDS 1
+#define EMU_SHARD 0
+#endif
+
+using namespace sm70attn;
+
+template <class F>
+static void launch(dim3 grid, int threads, F kernel) {
+  for (unsigned y = 0; y < grid.y; ++y)
+    for (unsigned x = 0; x < grid.x; ++x) {
+      memset(smem, 0xFF, sizeof smem);
+      emu::run_block(dim3(x, y), grid, threads, kernel);
+    }
+}
+
+template <class KT>
+void launch_attn(dim3 grid, const PagedAttnParams& a) {
+  static_assert(KT::SMEM_BYTES <= sizeof(smem), "");
+  launch(grid, KT::THREADS, [&] { paged_attention_kernel<KT>(a); });
+}
+
+template <class CT>
+void launch_combine(dim3 grid, const PagedAttnParams& a) {
+  static_assert(CT::SMEM_BYTES <= sizeof(smem), "");
+  launch(grid, CT::THREADS, [&] { combine_kernel<CT>(a); });
+}
+
+// Instantiating Shard<T, true> compiles the launcher of T; Shard<T, false> compiles nothing.
+template <class T, bool mine>
+struct Shard {
+  static void* launcher() { return nullptr; }
+};
+template <int D, int MB, int VEC>
+struct Shard<AttnTraits<D, MB, VEC>, true> {
+  static void* launcher() { return (void*)&launch_attn<AttnTraits<D, MB, VEC>>; }
+};
+template <int D>
+struct Shard<CombineTraits<D>, true> {
+  static void* launcher() { return (void*)&launch_combine<CombineTraits<D>>; }
+};
+#define EMU_ATTN(D, MB, VEC) template struct Shard<AttnTraits<D, MB, VEC>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
+#define EMU_COMBINE(D) template struct Shard<CombineTraits<D>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
+SM70ATTN_ATTN_KERNELS(EMU_ATTN)
+SM70ATTN_COMBINE_KERNELS(EMU_COMBINE)
