@@ -119,6 +119,7 @@ def run(device: torch.device, context: int, batch: int, layers: int, draft: int,
     line("stock sdpa, fp16 cache", t_ref0, t_ref)
     line("sm70attn, decode", t_ours0, t_ours)
     if batch == 1:  # transformers' assisted generation takes one request
+        _generate(model, ids, cache(), 2 + draft, prompt_lookup_num_tokens=draft)  # warm-up
         sa.paged_attention = counting  # count the verify steps
         try:
             spec, _, t_spec = _generate(model, ids, cache(), new, prompt_lookup_num_tokens=draft)

@@ -132,7 +132,8 @@ class PagedE4M3Cache(Cache):
         self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self._pages: list[list[int]] = []
         self._lens: list[int] = []
-        self._step = None  # (slots, block_table, seq_lens, width) of the forward in progress
+        self._table = None  # device [B, pages] int32, written only where a page is added
+        self._step = None  # (slots, block_table, seq_lens, fresh) of the forward in progress
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self._lens, default=0)
@@ -166,7 +167,9 @@ class PagedE4M3Cache(Cache):
             raise ValueError(
                 f"PagedE4M3Cache holds {len(self._lens)} requests, the forward has {B}"
             )
-        ps, slots = self.page_size, []
+        if self._table is None or self._table.device != torch.device(device):
+            self._table = torch.zeros(B, self.num_pages, dtype=torch.int32, device=device)
+        ps, slots, added = self.page_size, [], []
         fresh = not any(self._lens)  # a prompt: every request holds just these Q tokens
         for b in range(B):
             start, end = self._lens[b], self._lens[b] + Q
@@ -176,14 +179,17 @@ class PagedE4M3Cache(Cache):
                         f"PagedE4M3Cache is full ({self.num_pages} pages of {ps} tokens): "
                         "raise max_tokens"
                     )
+                added.append((b, len(self._pages[b]), self._free[-1]))
                 self._pages[b].append(self._free.pop())
             slots += [self._pages[b][t // ps] * ps + t % ps for t in range(start, end)]
             self._lens[b] = end
+        if added:  # one small copy per page added, not the whole table per step
+            b, i, page = torch.tensor(added, dtype=torch.int64).T.to(device)
+            self._table[b, i] = page.int()
         width = max(len(p) for p in self._pages)
-        table = [p + [0] * (width - len(p)) for p in self._pages]
         self._step = (
             torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
-            torch.tensor(table, dtype=torch.int32).to(device, non_blocking=True),
+            self._table[:, :width],
             torch.tensor(self._lens, dtype=torch.int32).to(device, non_blocking=True),
             fresh,
         )
