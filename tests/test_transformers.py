@@ -199,3 +199,47 @@ def test_cli_demo_runs_the_model():
         assert line in out, out
     assert "largest logit deviation from the stock path" in out
     assert "prompt lookup emits the greedy tokens: yes" in out, out
+
+
+def test_cache_pages_slots_and_stored_values():
+    """update() hands out pages in order, writes e4m3(x / scale) at page * page_size + offset,
+    and gives the attention its table, lengths and scales; crop lets the next write reuse the
+    slots of rejected tokens."""
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=128,
+    )
+    cache = hf.PagedE4M3Cache(cfg, max_tokens=96, max_batch_size=2, page_size=16, k_scale=0.5)
+    g = torch.Generator().manual_seed(0)
+
+    def step(Q):
+        kv = [torch.randn(2, 2, Q, 64, generator=g).half() for _ in "kv"]
+        got = {}
+        for layer in range(2):
+            kw = {}
+            cache.update(*kv, layer, kwargs=kw)
+            got[layer] = kw[hf.NAME]
+        return kv, got
+
+    (k, _), got = step(20)  # a prompt of 20 tokens: pages 0, 1 to request 0; 2, 3 to request 1
+    kc, vc, table, lens, ks, vs, fresh = got[1]
+    assert fresh and table.tolist() == [[0, 1], [2, 3]] and lens.tolist() == [20, 20]
+    assert ks.tolist() == [0.5, 0.5] and vs.shape == (2,)  # v calibrated per KV head
+    want = (k[1, :, 19].float() / 0.5).to(FP8)  # request 1, position 19: page 3, offset 3
+    assert torch.equal(kc[3, 3].view(torch.uint8), want.view(torch.uint8))
+    (k, _), got = step(4)  # 4 more: positions 20..23, same pages
+    assert not got[0][6] and got[0][3].tolist() == [24, 24] and cache.get_seq_length() == 24
+    cache.crop(-3)  # reject 3: the next token is position 21, in the slot of a rejected one
+    (k, _), got = step(1)
+    assert got[0][3].tolist() == [22, 22]
+    want = (k[0, :, 0].float() / 0.5).to(FP8)
+    assert torch.equal(cache.layers[0].keys[1, 5].view(torch.uint8), want.view(torch.uint8))
+    _, got = step(11)  # 33 tokens: a 3rd page each, the last 2 of the budget of 6
+    assert got[0][2].tolist() == [[0, 1, 4], [2, 3, 5]] and got[0][3].tolist() == [33, 33]
+    with pytest.raises(RuntimeError, match="raise max_tokens"):
+        step(48)
