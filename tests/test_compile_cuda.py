@@ -28,6 +28,13 @@ def step_inputs(B, Q, ps, P, W, gen):
     return test_serving_loop.step_inputs(B, W, Q, gen, dim=256, ps=ps, P=P)
 
 
+def compile_kw(how: str) -> dict:
+    """torch.compile arguments of the two CUDA-graph paths: inductor and AOT-eager."""
+    if how == "reduce-overhead":
+        return dict(mode="reduce-overhead")
+    return dict(options={"inner": "cudagraphs"})
+
+
 @pytest.fixture
 def recordings(monkeypatch):
     """The function ids cudagraph trees record a CUDA graph for, in order."""
@@ -53,11 +60,7 @@ def test_cudagraph_trees_buckets_and_replays(how, recordings, record):
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     counters.clear()
-    kw = (
-        dict(mode="reduce-overhead")
-        if how == "reduce-overhead"
-        else dict(options={"inner": "cudagraphs"})
-    )
+    kw = compile_kw(how)
     compiled = torch.compile(model, backend="sm70attn", fullgraph=True, dynamic=False, **kw)
     gen = torch.Generator().manual_seed(1)
     worst = 0.0
@@ -95,11 +98,7 @@ def test_serving_loop_dynamic_shapes_with_cuda_graphs(how, padded, recordings, m
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     counters.clear()
-    kw = (
-        dict(mode="reduce-overhead")
-        if how == "reduce-overhead"
-        else dict(options={"inner": "cudagraphs"})
-    )
+    kw = compile_kw(how)
     compiled = torch.compile(model, backend="sm70attn", fullgraph=True, **kw)
     gen = torch.Generator().manual_seed(2)
     worst, shapes = 0.0, set()

@@ -19,20 +19,26 @@ FP8 = torch.float8_e4m3fn
 KS, VS = 0.03, 0.02  # fixed scales, so that the stock path can quantize alike
 
 
+def tiny(vocab=256, hidden=256, heads=8, head_dim=128) -> Qwen3Config:
+    """A 2-layer Qwen3 config with 2 KV heads."""
+    return Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        intermediate_size=2 * hidden,
+    )
+
+
 @pytest.fixture(scope="module")
 def model():
     hf.register()
     torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=256,
-        hidden_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        intermediate_size=512,
+    return AutoModelForCausalLM.from_config(
+        tiny(), attn_implementation=hf.NAME, dtype=torch.float16
     )
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation=hf.NAME, dtype=torch.float16)
 
 
 def prompt(n=20, repeat=10, seed=0):
@@ -173,15 +179,7 @@ def test_errors_say_what_to_do(model):
 
 def test_float32_model_is_refused_with_the_fix():
     hf.register()
-    cfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=128,
-    )
+    cfg = tiny(vocab=64, hidden=128, heads=4, head_dim=64)
     m = AutoModelForCausalLM.from_config(cfg, attn_implementation=hf.NAME, dtype=torch.float32)
     with pytest.raises(TypeError, match="dtype=torch.float16"):
         with torch.no_grad():
@@ -205,15 +203,7 @@ def test_cache_pages_slots_and_stored_values():
     """update() hands out pages in order, writes e4m3(x / scale) at page * page_size + offset,
     and gives the attention its table, lengths and scales; crop lets the next write reuse the
     slots of rejected tokens."""
-    cfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=128,
-    )
+    cfg = tiny(vocab=64, hidden=128, heads=4, head_dim=64)
     cache = hf.PagedE4M3Cache(cfg, max_tokens=96, max_batch_size=2, page_size=16, k_scale=0.5)
     g = torch.Generator().manual_seed(0)
 
