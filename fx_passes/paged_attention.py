@@ -99,14 +99,13 @@ class Layout:
     def atoms(self, dims):
         return tuple(a for a in dims if not one(self.sizes[a]))
 
-    def shape(self, dims=None, length=None):
-        dims, length = (self.dims, self.length) if dims is None else (dims, length)
+    def shape(self):
         t = self.atoms(("PG", "OFF"))
         return [
-            val(length)
-            if length is not None and d == t
+            val(self.length)
+            if self.length is not None and d == t
             else math.prod((self.sizes[a] for a in d), start=1)
-            for d in dims
+            for d in self.dims
         ]
 
     def record(self, node: fx.Node) -> None:

@@ -191,14 +191,31 @@ def decode_full_table(q, kc, vc, bt, sl, ks, vs):
 
 
 # Mask forms users write: view/reshape/unsqueeze/None indexing, < ... + 1, either side.
-def arange_mask_view(q, kc, vc, bt, sl, ks, vs):
-    """t.view(1, 1, 1, T) < (last + 1).reshape(B, 1, Q, 1)."""
+def view_form(q, kc, vc, bt, sl, ks, vs, plus):
+    """t.view(1, 1, 1, T) < (last + plus).reshape(B, 1, Q, 1)."""
     B, _, Q, _ = q.shape
     k, v = gqa_kv(kc, vc, bt, ks, vs)
     T = k.shape[2]
     last = sl.view(B, 1) - Q + torch.arange(Q).view(1, Q)
-    mask = torch.arange(T).view(1, 1, 1, T) < (last + 1).reshape(B, 1, Q, 1)
+    mask = torch.arange(T).view(1, 1, 1, T) < (last + plus).reshape(B, 1, Q, 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def gt_form(q, kc, vc, bt, sl, ks, vs, plus):
+    """last + plus > t with None indexing to 4-D on both sides; int64 arithmetic (.long())."""
+    Q = q.shape[2]
+    k, v = gqa_kv(kc, vc, bt, ks, vs)
+    r = torch.arange(Q)
+    mask = (
+        sl.long()[:, None, None, None] - Q + r[None, None, :, None] + plus
+        > torch.arange(k.shape[2])[None, None, None, :]
+    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def arange_mask_view(*args):
+    """t < last + 1 through view/reshape: the verifier mask."""
+    return view_form(*args, plus=1)
 
 
 def arange_mask_unsqueeze_ge(q, kc, vc, bt, sl, ks, vs):
@@ -210,38 +227,19 @@ def arange_mask_unsqueeze_ge(q, kc, vc, bt, sl, ks, vs):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def arange_mask_gt(q, kc, vc, bt, sl, ks, vs):
-    """last + 1 > t with None indexing to 4-D on both sides; int64 arithmetic (.long())."""
-    Q = q.shape[2]
-    k, v = gqa_kv(kc, vc, bt, ks, vs)
-    r = torch.arange(Q)
-    mask = (
-        sl.long()[:, None, None, None] - Q + r[None, None, :, None] + 1
-        > torch.arange(k.shape[2])[None, None, None, :]
-    )
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+def arange_mask_gt(*args):
+    """last + 1 > t: the verifier mask."""
+    return gt_form(*args, plus=1)
 
 
-def arange_mask_view_off_by_one(q, kc, vc, bt, sl, ks, vs):
+def arange_mask_view_off_by_one(*args):
     """t < last instead of t < last + 1: one key fewer per row."""
-    B, _, Q, _ = q.shape
-    k, v = gqa_kv(kc, vc, bt, ks, vs)
-    T = k.shape[2]
-    last = sl.view(B, 1) - Q + torch.arange(Q).view(1, Q)
-    mask = torch.arange(T).view(1, 1, 1, T) < last.reshape(B, 1, Q, 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return view_form(*args, plus=0)
 
 
-def arange_mask_gt_off_by_one(q, kc, vc, bt, sl, ks, vs):
+def arange_mask_gt_off_by_one(*args):
     """last + 2 > t: one key more per row."""
-    Q = q.shape[2]
-    k, v = gqa_kv(kc, vc, bt, ks, vs)
-    r = torch.arange(Q)
-    mask = (
-        sl.long()[:, None, None, None] - Q + r[None, None, :, None] + 2
-        > torch.arange(k.shape[2])[None, None, None, :]
-    )
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return gt_form(*args, plus=2)
 
 
 def arange_mask_regrouped(q, kc, vc, bt, sl, ks, vs):

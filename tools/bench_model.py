@@ -22,7 +22,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -32,16 +31,10 @@ from torch_sm70attn.integrations import transformers as hf
 
 
 def fp8_gather_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """The users' FP8 path today: gather the pages, dequantize, SDPA with the verifier mask."""
+    """The users' FP8 path today: gather the pages, dequantize, SDPA with the verifier mask
+    (the integration's prefill route without its fresh-prompt shortcut)."""
     kc, vc, table, lens, ks, vs, _ = kwargs[hf.NAME]
-    H = kc.shape[2]
-    k = (kc[table].flatten(1, 2).half() * ks.view(1, 1, H, 1).half()).transpose(1, 2)
-    v = (vc[table].flatten(1, 2).half() * vs.view(1, 1, H, 1).half()).transpose(1, 2)
-    mask = sa.verifier_mask(lens, query.shape[2], k.shape[2])
-    out = F.scaled_dot_product_attention(
-        query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True
-    )
-    return out.transpose(1, 2), None
+    return hf._prefill(query, kc, vc, table, lens, scaling, ks, vs).transpose(1, 2), None
 
 
 def register_gather() -> str:

@@ -53,9 +53,9 @@ class _Layer(CacheLayerMixin):
 
     is_croppable = True
 
-    def __init__(self, cache: PagedE4M3Cache, idx: int):
+    def __init__(self, cache: PagedE4M3Cache):
         super().__init__()
-        self.cache, self.idx = cache, idx
+        self.cache = cache
         self.k_scale = self.v_scale = None
 
     def lazy_initialization(self, key_states, value_states):
@@ -124,7 +124,7 @@ class PagedE4M3Cache(Cache):
         self.page_size, self.max_batch_size = page_size, max_batch_size
         self.num_pages = math.ceil(max_tokens / page_size)
         self.k_scale, self.v_scale = k_scale, v_scale
-        super().__init__(layers=[_Layer(self, i) for i in range(cfg.num_hidden_layers)])
+        super().__init__(layers=[_Layer(self) for _ in range(cfg.num_hidden_layers)])
         self.reset()
 
     # request state: host copies (no device sync to read them) and their device mirrors
