@@ -286,6 +286,20 @@ def test_verifier_mask_errors():
 
 
 # --- contract and routes ----------------------------------------------------------------
+def test_shape_admission_traces_without_a_graph_break():
+    """The wrapper decides the route inside a compiled model's attention (the transformers
+    integration calls it there): shape_refusal must trace with fullgraph=True."""
+    q = torch.zeros(1, 12, 1, 256, dtype=torch.float16)
+    kc = torch.zeros(4, 16, 2, 256, dtype=torch.float8_e4m3fn)
+
+    def f(q, kc):
+        return q + (routes.shape_refusal(q, kc) is None)
+
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(q, kc)
+    assert torch.equal(got, q + 1)
+    assert routes.shape_refusal(q, kc[:, :, :, 1:]) is not None  # eager: offset 1 refused
+
+
 def test_contract_is_min_of_capability_and_capacity():
     cap = sa.capabilities()["max_context"]
     assert sa.contract() == cap

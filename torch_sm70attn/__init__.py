@@ -66,6 +66,9 @@ def _as_scale(name: str, x, device: torch.device) -> torch.Tensor:
             f"{name} must be a float or a float32 tensor of shape [], [1] or [H_kv], "
             f"got {type(x).__name__}"
         )
+    if torch.compiler.is_compiling():  # Dynamo warns on lru_cache; torch.tensor would copy
+        # from the host, which a CUDA graph cannot capture: a fill kernel instead
+        return torch.full((), float(x), dtype=torch.float32, device=device)
     return _scale_tensor(float(x), device)
 
 

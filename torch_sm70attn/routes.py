@@ -6,7 +6,6 @@ question at compile time that the eager wrapper asks at run time.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import warnings
@@ -35,9 +34,13 @@ def validate_mode() -> bool:
     return os.environ.get("TORCH_SM70ATTN_VALIDATE", "0") not in ("", "0")
 
 
-@functools.cache
+_CAPABILITY: dict[int, tuple[int, int]] = {}  # a plain dict: Dynamo traces it without a warning
+
+
 def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
 
 
 def _device_refusal(query) -> str | None:
@@ -74,8 +77,11 @@ def shape_refusal(query, key_cache, block_table=None, served_capacity=None) -> s
         bound = admitted_capacity(int(page_size), served_capacity)
         if capacity > bound:
             return f"block table capacity {capacity} exceeds the contract ({bound})"
-    # The kernels load K/V rows 8 bytes at a time at least (16 where strides allow).
-    if key_cache.storage_offset() % 8 or any(s % 8 for s in key_cache.stride()[:-1]):
+    # The kernels load K/V rows 8 bytes at a time at least (16 where strides allow). Dynamo
+    # cannot trace storage_offset(): inside a traced function (the attention of a compiled
+    # model) the offset is left to the CUDA kernel, which raises on a misaligned cache.
+    offset = 0 if torch.compiler.is_compiling() else key_cache.storage_offset()
+    if offset % 8 or any(s % 8 for s in key_cache.stride()[:-1]):
         return f"cache strides {key_cache.stride()} / offset not 8-byte aligned"
     return None
 
