@@ -5,16 +5,19 @@
 
 The FX passes (fx_passes/) rewrite SDPA over a paged E4M3 cache into
 sm70attn.paged_attention and the quantized cache write into sm70attn.store_kv. The graph then
-goes to inductor with the options `mode` implies plus `options`; where Triton cannot target
-the GPU (compute capability below 7.5: V100 with current Triton), or with
-options={"inner": "cudagraphs"}, it goes to AOT-eager and, for mode="reduce-overhead" or
-that option, cudagraph trees, so reduce-overhead still means CUDA graphs.
-The backend is registered through the `torch_dynamo_backends` entry point of this package.
+goes to inductor with the options `mode` implies plus `options`. Where Triton cannot target
+the GPU (compute capability below 7.5: V100 with current Triton), the rewritten graph runs as
+it is (inner "eager"), and for mode="reduce-overhead" is replayed as CUDA graphs
+(`cudagraphs.graphed`, inner "cudagraphs"; options={"inner": "cudagraphs"} asks for it
+anywhere), so reduce-overhead still means CUDA graphs. Neither goes through AOT-eager, whose
+functionalization copies the whole cache at every store_kv (`cudagraphs.py`); "aot_eager"
+stays selectable for debugging. The backend is registered through the
+`torch_dynamo_backends` entry point of this package.
 
 For users of backend="inductor", `install_inductor_pass()` installs the same rewrite as
 inductor's pre-grad custom pass.
 
-cudagraph trees record one graph per input shape and do not pad: `pad_batch` pads a batch to
+CUDA graphs are recorded one per input shape and do not pad: `pad_batch` pads a batch to
 bucket sizes (padding requests have seq_len 0 and output 0).
 """
 
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
+from . import cudagraphs
 from .fx_passes import paged_attention as _attention_pass
 from .fx_passes import store_kv as _store_pass
 
@@ -74,7 +78,7 @@ def sm70attn_backend(gm: fx.GraphModule, example_inputs, mode=None, options=None
         elif mode in ("reduce-overhead", "max-autotune"):
             inner = "cudagraphs"
         else:
-            inner = "aot_eager"
+            inner = "eager"
     log.debug(
         "sm70attn backend: %d attention and %d store rewrites; inner compiler %s (mode %s)",
         n_attn,
@@ -91,33 +95,13 @@ def sm70attn_backend(gm: fx.GraphModule, example_inputs, mode=None, options=None
         return compile_fx(gm, example_inputs, config_patches=patches)
     if options:
         raise ValueError(f"sm70attn backend: options {sorted(options)} need inner='inductor'")
-    if inner == "cudagraphs":
-        from torch._dynamo.backends.cudagraphs import cudagraphs
-
-        _specialize(example_inputs)
-        return cudagraphs(gm, example_inputs)  # AOT autograd + cudagraph trees
+    if inner == "cudagraphs":  # the graph in place, as CUDA graphs (no AOT: cudagraphs.py)
+        return cudagraphs.graphed(gm, example_inputs)
     if inner == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 
         return aot_eager(gm, example_inputs)
     return gm.forward
-
-
-def _specialize(example_inputs) -> None:
-    """Make every symbolic size of the inputs static (Dynamo guards on it: a new shape
-    recompiles). Through AOT-eager, cudagraph trees tell recordings apart by the graph's int
-    inputs only, which need not include every dynamic size: a recording for one batch size
-    would be replayed with the inputs of another (measured: a copy error on the H200). CUDA
-    graphs are one per shape anyway; pad_batch bounds the shapes."""
-    from torch.fx.experimental.symbolic_shapes import guard_int
-
-    for x in example_inputs:
-        sizes = [x] if isinstance(x, torch.SymInt) else []
-        if isinstance(x, torch.Tensor):
-            sizes = [*x.shape, *x.stride(), x.storage_offset()]
-        for s in sizes:
-            if isinstance(s, torch.SymInt):
-                guard_int(s)
 
 
 # --- for users of backend="inductor" --------------------------------------------------------

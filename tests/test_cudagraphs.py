@@ -1,0 +1,61 @@
+"""The backend's CUDA-graph recorder (torch_sm70attn/cudagraphs.py) on the CPU: which inputs of
+a Dynamo graph it uses in place (static ones, and those the graph writes, through a view too),
+and that a graph it cannot record runs eagerly, counted as a skip. Recording and replay run in
+tests/test_compile_cuda.py."""
+
+import torch
+from torch._dynamo.utils import counters
+
+import torch_sm70attn as sa
+from torch_sm70attn import cudagraphs
+
+
+class Writes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("buf", torch.zeros(4))
+
+    def forward(self, x, marked, arg, kc, vc, slots, untouched):
+        self.buf.add_(1)  # a buffer: static, and written
+        arg[0].add_(1)  # written through a view
+        marked.mul_(2)  # static (mark_static_address) and written
+        k = x[:, None, :].expand(-1, 2, -1).half().contiguous()
+        sa.store_kv(k, k, kc, vc, slots)  # the caches: written by the op
+        return self.lin(x) + self.buf + untouched
+
+
+def graph_of(fn, *args):
+    seen = {}
+
+    def backend(gm, example_inputs):
+        names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+        seen["static"] = {names[i] for i in cudagraphs.static_inputs(gm.graph)}
+        seen["written"] = {names[i] for i in cudagraphs.written_inputs(gm.graph)}
+        seen["run"] = cudagraphs.graphed(gm, example_inputs)
+        return seen["run"]
+
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return seen, out
+
+
+def test_inputs_used_in_place():
+    marked = torch.ones(3)
+    torch._dynamo.mark_static_address(marked)
+    kc = torch.zeros(4, 16, 2, 4, dtype=torch.float8_e4m3fn)
+    args = (torch.randn(2, 4), marked, torch.zeros(2, 3), kc, kc.clone())
+    args += (torch.tensor([0, 17]), torch.ones(4))
+    counters.clear()
+    seen, out = graph_of(Writes(), *args)
+    static, written = seen["static"], seen["written"]  # placeholder names, e.g. "l_kc_"
+
+    def names(found, *parts):
+        return all(sum(p in n for n in found) == 1 for p in parts) and len(found) == len(parts)
+
+    assert names(static, "buf", "marked", "weight", "bias"), static
+    assert names(written, "buf", "arg", "marked", "kc", "vc"), written
+    # on the CPU no CUDA graph: the graph runs eagerly, once counted as a skip
+    assert counters["sm70attn"]["cuda_graph_skips"] == 1
+    assert marked.tolist() == [2.0] * 3 and args[2][0].tolist() == [1.0] * 3
+    assert kc.view(torch.uint8)[1, 1].any()  # slot 17: page 1, offset 1
+    assert out.shape == (2, 4)
