@@ -139,16 +139,24 @@ def test_scales_calibrated_per_kv_head_at_the_first_write(model):
 
 
 def test_crop_and_reset(model):
-    cache = paged(model)
+    cache = paged(model, max_batch_size=2)
     with torch.no_grad():
         model(prompt(), cache=cache)
-    assert cache.get_seq_length() == 30 and cache.get_mask_sizes(4, 0) == (34, 0)
+    assert cache.get_seq_length() == 30 and cache.get_mask_sizes(4, 0) == (256, 0)
     cache.crop(-5)
-    assert cache.get_seq_length() == 25
+    assert cache.get_seq_length() == 25 and cache._lens.tolist() == [25]
     with pytest.raises(ValueError, match="minus the number"):
         cache.crop(3)
+    with pytest.raises(ValueError, match="call cache.reset"):
+        with torch.no_grad():
+            model(torch.cat([prompt(), prompt()]), cache=cache)
     cache.reset()
-    assert cache.get_seq_length() == 0 and len(cache._free) == cache.num_pages
+    assert cache.get_seq_length() == 0 and cache._lens.tolist() == [0]
+    # after a reset the same cache serves a new prompt as a new cache would
+    with torch.no_grad():
+        got = model(prompt(seed=2), cache=cache).logits
+        want = model(prompt(seed=2), cache=paged(model)).logits
+    assert torch.equal(got, want)
 
 
 def test_equal_length_batch_matches_each_request_alone(model):
@@ -200,9 +208,9 @@ def test_cli_demo_runs_the_model():
 
 
 def test_cache_pages_slots_and_stored_values():
-    """update() hands out pages in order, writes e4m3(x / scale) at page * page_size + offset,
-    and gives the attention its table, lengths and scales; crop lets the next write reuse the
-    slots of rejected tokens."""
+    """update() gives request b of B the pages b * W .. (b + 1) * W - 1 (W = pages / B), writes
+    e4m3(x / scale) at page * page_size + offset, and gives the attention its table, lengths
+    and scales; crop lets the next write reuse the slots of rejected tokens."""
     cfg = tiny(vocab=64, hidden=128, heads=4, head_dim=64)
     cache = hf.PagedE4M3Cache(cfg, max_tokens=96, max_batch_size=2, page_size=16, k_scale=0.5)
     g = torch.Generator().manual_seed(0)
@@ -216,12 +224,12 @@ def test_cache_pages_slots_and_stored_values():
             got[layer] = kw[hf.NAME]
         return kv, got
 
-    (k, _), got = step(20)  # a prompt of 20 tokens: pages 0, 1 to request 0; 2, 3 to request 1
+    (k, _), got = step(20)  # a prompt of 20 tokens: 6 pages, 3 per request, 2 of them in use
     kc, vc, table, lens, ks, vs, fresh = got[1]
-    assert fresh and table.tolist() == [[0, 1], [2, 3]] and lens.tolist() == [20, 20]
+    assert fresh and table.tolist() == [[0, 1], [3, 4]] and lens.tolist() == [20, 20]
     assert ks.tolist() == [0.5, 0.5] and vs.shape == (2,)  # v calibrated per KV head
-    want = (k[1, :, 19].float() / 0.5).to(FP8)  # request 1, position 19: page 3, offset 3
-    assert torch.equal(kc[3, 3].view(torch.uint8), want.view(torch.uint8))
+    want = (k[1, :, 19].float() / 0.5).to(FP8)  # request 1, position 19: page 4, offset 3
+    assert torch.equal(kc[4, 3].view(torch.uint8), want.view(torch.uint8))
     (k, _), got = step(4)  # 4 more: positions 20..23, same pages
     assert not got[0][6] and got[0][3].tolist() == [24, 24] and cache.get_seq_length() == 24
     cache.crop(-3)  # reject 3: the next token is position 21, in the slot of a rejected one
@@ -229,7 +237,69 @@ def test_cache_pages_slots_and_stored_values():
     assert got[0][3].tolist() == [22, 22]
     want = (k[0, :, 0].float() / 0.5).to(FP8)
     assert torch.equal(cache.layers[0].keys[1, 5].view(torch.uint8), want.view(torch.uint8))
-    _, got = step(11)  # 33 tokens: a 3rd page each, the last 2 of the budget of 6
-    assert got[0][2].tolist() == [[0, 1, 4], [2, 3, 5]] and got[0][3].tolist() == [33, 33]
+    _, got = step(11)  # 33 tokens: the 3rd page of each request
+    assert got[0][2].tolist() == [[0, 1, 2], [3, 4, 5]] and got[0][3].tolist() == [33, 33]
     with pytest.raises(RuntimeError, match="raise max_tokens"):
-        step(48)
+        step(16)  # 49 > 48 tokens per request
+    assert cache.get_seq_length() == 33  # the refused step changed nothing
+
+
+def counting_backend():
+    """The sm70attn backend (AOT-eager on the CPU), and the list it fills: per compiled graph,
+    the sm70attn ops it calls."""
+    from torch_sm70attn.backend import sm70attn_backend
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(sorted(str(n.target) for n in gm.graph.nodes if "sm70attn" in str(n.target)))
+        return sm70attn_backend(gm, example_inputs, options={"inner": "aot_eager"})
+
+    torch._dynamo.reset()
+    return backend, graphs
+
+
+def test_compiled_decode_and_verify_steps_have_no_graph_break(model):
+    """The forward compiled whole (fullgraph=True: a graph break is an error) for decode steps,
+    a verify step of 4 rows, a crop and more decode: the same logits as eager, one graph per
+    query width, each storing and attending through the ops in both layers. No position_ids
+    are passed, so the model asks the cache for its length inside the graph."""
+    backend, graphs = counting_backend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+
+    def run(fwd):
+        cache, out = paged(model), []
+        with torch.no_grad():
+            tok = model(prompt(), cache=cache).logits[:, -1:].argmax(-1)  # the prompt: eager
+            for ids in [tok] * 3 + [tok.repeat(1, 4)] + ["crop"] + [tok] * 2:
+                if isinstance(ids, str):
+                    cache.crop(-3)
+                    continue
+                out.append(fwd(ids, cache=cache).logits)
+        return out, cache.get_seq_length()
+
+    want, n_want = run(model)
+    got, n_got = run(compiled)
+    assert n_got == n_want == 30 + 3 + 4 - 3 + 2
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    ops = ["sm70attn.paged_attention.default"] * 2 + ["sm70attn.store_kv.default"] * 2
+    assert graphs == [ops, ops], graphs  # Q 1 and Q 4
+
+
+def test_generate_compiled_equals_eager(model):
+    """generate(compile_config=...) with fullgraph=True: decode steps in one graph, prompt
+    lookup's verify steps in one graph per width; the same tokens as eager generate."""
+    from transformers import CompileConfig
+
+    ids = prompt(seed=8)
+    greedy = generate(model, ids, paged(model))
+    for lookup in (None, 4):
+        backend, graphs = counting_backend()
+        config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+        config._compile_all_devices = True  # transformers compiles only on GPUs otherwise
+        got = generate(
+            model, ids, paged(model), compile_config=config, prompt_lookup_num_tokens=lookup
+        )
+        assert torch.equal(got, greedy)
+        assert len(graphs) == 1 if lookup is None else 1 < len(graphs) <= lookup + 1, graphs

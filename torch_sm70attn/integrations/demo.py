@@ -54,11 +54,16 @@ def _now(device) -> float:
     return time.perf_counter()
 
 
-def _generate(model, ids, cache, new_tokens, **kw):
+def _generate(model, ids, cache, new_tokens, compile_config=None, **kw):
     """Greedy generate; returns (sequences, per-step logits, (prompt s, after-prompt s)): the
     first forward (the prompt, with the first drafts under prompt lookup) is timed apart."""
     marks = []
-    hook = model.register_forward_hook(lambda *_: marks.append(_now(ids.device)))
+
+    def first(*_):  # the prompt's end; then gone, so that compiled steps trace no hook
+        marks.append(_now(ids.device))
+        hook.remove()
+
+    hook = model.register_forward_hook(first)
     t0 = _now(ids.device)
     try:
         with torch.no_grad():
@@ -70,6 +75,8 @@ def _generate(model, ids, cache, new_tokens, **kw):
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,
+                compile_config=compile_config,
+                disable_compile=compile_config is None,  # eager unless asked
                 **kw,
             )
     finally:
@@ -122,9 +129,30 @@ def run(device: torch.device, context: int, batch: int, layers: int, draft: int,
     def line(name, t):  # the prompt's time, and tokens/s after it
         _say(f"{name:<30} {t[0]:9.3f} {batch * (new - 1) / t[1]:16.1f}")
 
+    compiled = None
+    if device.type == "cuda":  # generate's decode steps as one graph each, CUDA graphs
+        from .transformers import compile_config
+
+        _say("torch_sm70attn compiled (fullgraph, the backend's CUDA graphs): compiling ...")
+        config = compile_config(mode=None, options={"inner": "cudagraphs"})  # a V100's path
+        c = cache()  # one cache, reset: the timed run replays the graphs recorded before
+        _generate(model, ids, c, new, compile_config=config)  # compile, warm up, record
+        c.reset()
+        compiled = _generate(model, ids, c, new, compile_config=config)
+        if batch == 1:
+            lookup = dict(compile_config=config, prompt_lookup_num_tokens=draft)
+            c.reset()
+            _generate(model, ids, c, new, **lookup)  # a graph per verify width
+            c.reset()
+            compiled_lookup = _generate(model, ids, c, new, **lookup)
     _say(f"{'path':<30} {'prompt s':>9} {'decode tokens/s':>16}")
     line("stock sdpa, fp16 cache", t_ref)
     line("sm70attn, decode", t_ours)
+    if compiled is not None:
+        line("sm70attn, decode, compiled", compiled[2])
+        if not torch.equal(compiled[0], ours):
+            _say("compiled decode differs from eager decode: a bug, please report it")
+            return 1
     if batch == 1:  # transformers' assisted generation takes one request
         _generate(model, ids, cache(), 2 + draft, prompt_lookup_num_tokens=draft)  # warm-up
         sa.paged_attention = counting  # count the verify steps
@@ -134,6 +162,11 @@ def run(device: torch.device, context: int, batch: int, layers: int, draft: int,
             sa.paged_attention = paged
         steps = len(spec_rows) // layers
         line(f"sm70attn, prompt lookup {draft}", t_spec)
+        if compiled is not None:
+            line(f"sm70attn, prompt lookup {draft}, compiled", compiled_lookup[2])
+            if not torch.equal(compiled_lookup[0], ours):
+                _say("compiled prompt lookup differs from greedy decode: a bug, please report it")
+                return 1
         _say(
             f"prompt lookup: {steps} verify steps after the prompt for {new} tokens "
             f"({new / max(steps, 1):.2f} tokens per step; up to {max(spec_rows)} rows a step)"

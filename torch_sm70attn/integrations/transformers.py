@@ -5,7 +5,7 @@
     register()  # attn_implementation="sm70attn"
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sm70attn", dtype=torch.float16)
     cache = PagedE4M3Cache(model.config, max_tokens=8192)
-    out = model.generate(ids, past_key_values=cache, prompt_lookup_num_tokens=4, do_sample=False)
+    out = model.generate(ids, cache=cache, prompt_lookup_num_tokens=4, do_sample=False)
 
 No modeling code changes. The model calls `cache.update(key, value, layer_idx, kwargs=kwargs)`
 with the same dict it then hands the attention function as `**kwargs`: `update` writes the
@@ -17,8 +17,10 @@ request of length L sees positions 0 .. L - Q + r. The new tokens are read back 
 like every other token, so a prompt, a verify step and a decode step see the same numbers,
 and speculative decoding with greedy acceptance emits exactly the greedy tokens.
 
-Requests of one batch may have different lengths in the cache, but padding tokens inside a
+The requests of a batch advance together (generate's batches); padding tokens inside a
 forward (left padding from a tokenizer) are refused: they would be written and attended.
+A forward keeps its state on the device, so `generate(..., compile_config=...)` and
+`torch.compile(model, fullgraph=True)` trace a decode or verify step without a graph break.
 """
 
 from __future__ import annotations
@@ -47,10 +49,21 @@ def register(name: str = NAME) -> str:
     return name
 
 
+def compile_config(**kw):
+    """transformers' CompileConfig for generate() through the sm70attn backend: fullgraph,
+    mode "reduce-overhead" (CUDA graphs: inductor's where Triton runs, the backend's own
+    recorder on a V100); `kw` overrides. Without one, generate() compiles the decode steps of a
+    compileable cache on any GPU with inductor, which cannot target a V100."""
+    from transformers import CompileConfig
+
+    return CompileConfig(**{"fullgraph": True, "backend": NAME, "mode": "reduce-overhead", **kw})
+
+
 # --- the cache ---------------------------------------------------------------------------------
 class _Layer(CacheLayerMixin):
-    """One layer's pools; lengths and tables live in the PagedE4M3Cache."""
+    """One layer's pools and scales; the table and lengths live in the PagedE4M3Cache."""
 
+    is_compileable = True
     is_croppable = True
 
     def __init__(self, cache: PagedE4M3Cache):
@@ -59,19 +72,22 @@ class _Layer(CacheLayerMixin):
         self.k_scale = self.v_scale = None
 
     def lazy_initialization(self, key_states, value_states):
-        c = self.cache
-        shape = (c.num_pages, c.page_size, c.num_kv_heads, c.head_dim)
+        """Pools sized from the first tokens' heads and head dim (under tensor parallelism, the
+        rank's own KV heads)."""
+        c, (_, H, _, D) = self.cache, key_states.shape
+        shape = (c.num_pages, c.page_size, H, D)
         self.keys = torch.zeros(shape, dtype=FP8, device=key_states.device)
         self.values = torch.zeros(shape, dtype=FP8, device=key_states.device)
-        self.k_scale = _scale(c.k_scale, key_states, c.num_kv_heads)
-        self.v_scale = _scale(c.v_scale, value_states, c.num_kv_heads)
+        self.k_scale = _scale(c.k_scale, key_states, H)
+        self.v_scale = _scale(c.v_scale, value_states, H)
+        _static(self.keys, self.values, self.k_scale, self.v_scale)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError("PagedE4M3Cache.update writes the layers")
 
     def get_mask_sizes(self, query_length):
-        return self.cache.get_seq_length() + query_length, 0
+        return self.cache.get_mask_sizes(query_length)
 
     def get_seq_length(self):
         return self.cache.get_seq_length()
@@ -79,8 +95,17 @@ class _Layer(CacheLayerMixin):
     def get_max_length(self):
         return self.cache.get_max_length()
 
-    def reset(self):  # the pools stay allocated; the cache frees the pages
+    def reset(self):  # the pools stay allocated; the cache resets the lengths
         pass
+
+
+def _static(*tensors) -> None:
+    """Tell torch.compile these tensors keep their address (CUDA graphs read them in place).
+    Unguarded: a new cache of the same shapes reuses the compiled graph (CUDA graphs are
+    recorded again for its addresses)."""
+    if not torch.compiler.is_compiling():
+        for t in tensors:
+            torch._dynamo.mark_static_address(t, guard=False)
 
 
 def _scale(given, x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -96,13 +121,23 @@ def _scale(given, x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class PagedE4M3Cache(Cache):
-    """A paged float8_e4m3fn KV cache for transformers models.
+    """A paged float8_e4m3fn KV cache for transformers models, usable under torch.compile
+    and CUDA graphs (`is_compileable`).
 
-    config: the model's config (layers, KV heads, head dim). max_tokens: the token budget
-    shared by all requests of the batch (pages of every layer: max_tokens / page_size).
-    max_batch_size: requests per batch. k_scale / v_scale: a float, or a per-KV-head list or
-    tensor, applied to every layer; None calibrates each layer's scales per KV head from the
-    first tokens it stores (amax / 448, with 2x headroom; larger values saturate at 448).
+    config: the model's config (its layer count). max_tokens: the token budget of the batch;
+    every layer has max_tokens / page_size pages of [page_size, H_kv, D], H_kv and D taken
+    from the first tokens stored (under tensor parallelism, the rank's own KV heads).
+    max_batch_size: the largest batch. The first forward (the prompt) of a batch of B requests
+    gives each request max_tokens / B tokens of pages. k_scale / v_scale: a float, or a
+    per-KV-head list or tensor, applied to every layer; None calibrates each layer's scales
+    per KV head from the first tokens it stores (amax / 448, with 2x headroom; larger values
+    saturate at 448).
+
+    State on the device: the block table (fixed once the batch is known) and the lengths
+    [B] int32, advanced in place by each forward and moved back by `crop`; a forward reads
+    nothing from the host, so a compiled decode or verify step has no graph break and replays
+    as a CUDA graph. The host keeps a copy of the length between eager steps (no device sync
+    to read it); after compiled steps `get_seq_length()` reads it back once.
     """
 
     def __init__(
@@ -115,95 +150,111 @@ class PagedE4M3Cache(Cache):
         v_scale=None,
     ):
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if page_size < 1 or max_tokens < page_size or max_batch_size < 1:
             raise ValueError(
                 "PagedE4M3Cache: need page_size >= 1, max_tokens >= page_size, a batch >= 1"
             )
-        self.page_size, self.max_batch_size = page_size, max_batch_size
+        self.page_size, self._max_batch = page_size, max_batch_size
         self.num_pages = math.ceil(max_tokens / page_size)
         self.k_scale, self.v_scale = k_scale, v_scale
         super().__init__(layers=[_Layer(self) for _ in range(cfg.num_hidden_layers)])
-        self.reset()
+        self._table = self._lens = None  # device [B, pages] int32 and [B] int32
+        self._len = 0  # host copy of the length; None after a compiled step moved it
 
-    # request state: host copies (no device sync to read them) and their device mirrors
     def reset(self):
-        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out page 0 first
-        self._pages: list[list[int]] = []
-        self._lens: list[int] = []
-        self._table = None  # device [B, pages] int32, written only where a page is added
-        self._step = None  # (slots, block_table, seq_lens, fresh) of the forward in progress
+        """Empty every request (the pools, table and their addresses stay)."""
+        if self._lens is not None:
+            self._lens.zero_()
+        self._len = 0
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(self._lens, default=0)
+    def get_seq_length(self, layer_idx: int = 0):
+        """Tokens held per request: an int; a 0-d tensor while torch.compile traces."""
+        if self._lens is None:
+            return 0
+        if torch.compiler.is_compiling():
+            return self._lens.max()
+        if self._len is None:
+            self._len = int(self._lens.max())
+        return self._len
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.num_pages * self.page_size
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        return self.get_max_length(), 0  # no host state: the attention applies the rule itself
 
     @property
     def is_linear(self) -> list[bool]:
         return [False] * len(self.layers)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last -tokens_to_remove tokens of every request (rejected drafts).
-        Their pages stay with the request and are written over by the next tokens."""
+        """Remove the last -tokens_to_remove tokens of every request (rejected drafts); the next
+        tokens are written over them."""
         if tokens_to_remove > 0:
             raise ValueError("crop takes minus the number of tokens to remove (transformers 5)")
-        self._lens = [max(0, n + tokens_to_remove) for n in self._lens]
+        if tokens_to_remove and self._lens is not None:
+            self._lens.sub_(-tokens_to_remove).clamp_(min=0)
+            if self._len is not None:
+                self._len = max(0, self._len + tokens_to_remove)
 
-    def _begin(self, B: int, Q: int, device) -> None:
-        """Pages and slots for Q new tokens of each of B requests (at layer 0)."""
-        if not self._lens:
-            if B > self.max_batch_size:
-                raise ValueError(
-                    f"PagedE4M3Cache: batch {B} > max_batch_size {self.max_batch_size}"
-                )
-            self._pages, self._lens = [[] for _ in range(B)], [0] * B
-        if B != len(self._lens):
+    def _allocate(self, B: int, device) -> None:
+        """The table of a batch of B: request b owns pages b * W .. (b + 1) * W - 1."""
+        if B > self._max_batch:
+            raise ValueError(f"PagedE4M3Cache: batch {B} > max_batch_size {self._max_batch}")
+        if self._lens is not None and self.get_seq_length():
             raise ValueError(
-                f"PagedE4M3Cache holds {len(self._lens)} requests, the forward has {B}"
+                f"PagedE4M3Cache holds {self._lens.shape[0]} requests, the forward has {B}: "
+                "call cache.reset() before a new batch"
             )
-        if self._table is None or self._table.device != torch.device(device):
-            self._table = torch.zeros(B, self.num_pages, dtype=torch.int32, device=device)
-        ps, slots, added = self.page_size, [], []
-        fresh = not any(self._lens)  # a prompt: every request holds just these Q tokens
-        for b in range(B):
-            start, end = self._lens[b], self._lens[b] + Q
-            while len(self._pages[b]) * ps < end:
-                if not self._free:
-                    raise RuntimeError(
-                        f"PagedE4M3Cache is full ({self.num_pages} pages of {ps} tokens): "
-                        "raise max_tokens"
-                    )
-                added.append((b, len(self._pages[b]), self._free[-1]))
-                self._pages[b].append(self._free.pop())
-            slots += [self._pages[b][t // ps] * ps + t % ps for t in range(start, end)]
-            self._lens[b] = end
-        if added:  # one small copy per page added, not the whole table per step
-            b, i, page = torch.tensor(added, dtype=torch.int64).T.to(device)
-            self._table[b, i] = page.int()
-        width = max(len(p) for p in self._pages)
-        self._step = (
-            torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
-            self._table[:, :width],
-            torch.tensor(self._lens, dtype=torch.int32).to(device, non_blocking=True),
-            fresh,
-        )
+        W = self.num_pages // B
+        self._table = torch.arange(B * W, dtype=torch.int32, device=device).view(B, W)
+        self._lens = torch.zeros(B, dtype=torch.int32, device=device)
+        self._len = 0
+        _static(self._table, self._lens)
+
+    def _advance(self, B: int, Q: int, device) -> None:
+        """Layer 0 of a forward: Q new tokens for each request."""
+        t = self._table
+        if t is None or t.shape[0] != B or t.device != torch.device(device):
+            self._allocate(B, device)
+        if torch.compiler.is_compiling():
+            self._len = None  # no host read or check inside a graph: the device moves alone
+        else:
+            n = self.get_seq_length() + Q
+            if n > self._table.shape[1] * self.page_size:
+                raise RuntimeError(
+                    f"PagedE4M3Cache is full: {n} tokens per request, {self._table.shape[1]} "
+                    f"pages of {self.page_size} each (max_tokens / batch): raise max_tokens"
+                )
+            self._len = n
+        self._lens.add_(Q)
+
+    def _inputs(self, Q: int):
+        """(slots [B * Q], block table, fresh) of the forward in progress. Eager: the table
+        cut to the pages in use and `fresh` for a prompt (every request holds just these Q
+        tokens). Compiled: the whole table (the op reads only the pages it reaches)."""
+        ps, table = self.page_size, self._table
+        pos = self._lens.long()[:, None] - Q + torch.arange(Q, device=table.device)
+        slots = (table.gather(1, pos // ps).long() * ps + pos % ps).flatten()
+        if torch.compiler.is_compiling():
+            return slots, table, False
+        return slots, table[:, : -(-self._len // ps)], self._len == Q
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Store the new tokens ([B, H_kv, Q, D]) and hand the attention its paged inputs
         through the model's kwargs; returns the new tokens (the attention reads the cache)."""
         B, H, Q, D = key_states.shape
         if layer_idx == 0:
-            self._begin(B, Q, key_states.device)
+            self._advance(B, Q, key_states.device)
+        if torch.compiler.is_compiling():  # every layer computes them: no tensor kept on self
+            slots, table, fresh = self._inputs(Q)
+        else:
+            if layer_idx == 0:
+                self._step = self._inputs(Q)
+            slots, table, fresh = self._step
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
-        slots, table, lens, fresh = self._step
         sa.store_kv(
             key_states.transpose(1, 2).reshape(B * Q, H, D).half(),
             value_states.transpose(1, 2).reshape(B * Q, H, D).half(),
@@ -223,7 +274,7 @@ class PagedE4M3Cache(Cache):
             layer.keys,
             layer.values,
             table,
-            lens,
+            self._lens,
             layer.k_scale,
             layer.v_scale,
             fresh,
@@ -288,6 +339,8 @@ def _prefill(query, kc, vc, table, lens, scale, ks, vs, fresh=False):
 def _mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):
     """The mask function of NAME: none is built (the attention applies the op's rule); a
     padded batch is refused, since its padding tokens would be stored and attended."""
+    if torch.compiler.is_compiling():  # the prompt, run eagerly, was checked
+        return None
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
             "sm70attn attention: the batch has padding (attention_mask holds zeros); padding "

@@ -1,0 +1,137 @@
+"""The transformers integration on the GPU at the seeds' geometry (head dim 256, 6 query heads
+per KV head, from `demo.build`): the paged cache against the stock SDPA path over the same
+quantized values for a prompt, decode and verify rows, and generate() compiled whole-graph
+(fullgraph=True) with CUDA graphs: the same tokens as eager, one graph for decode, one per
+verify width, no cudagraph skips."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from oracle import rel_err  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+from transformers import CompileConfig, DynamicCache  # noqa: E402
+
+import torch_sm70attn as sa  # noqa: E402
+from torch_sm70attn.integrations import demo  # noqa: E402
+from torch_sm70attn.integrations import transformers as hf  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+DEV = torch.device("cuda")
+FP8 = torch.float8_e4m3fn
+KS, VS = 0.05, 0.04
+CTX = 4096
+
+
+@pytest.fixture(scope="module")
+def model():
+    sa.ops.load_cuda_kernels()
+    return demo.build(DEV, layers=2)
+
+
+def paged(model, batch=1):
+    return hf.PagedE4M3Cache(
+        model.config, max_tokens=batch * (CTX + 256), max_batch_size=batch, k_scale=KS, v_scale=VS
+    )
+
+
+class QuantizedDynamicCache(DynamicCache):
+    """The stock cache holding what the paged cache holds: e4m3(x / scale) * scale."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        def q(x, s):
+            return ((x.float() / s).clamp(-448, 448).to(FP8).float() * s).to(x.dtype)
+
+        return super().update(q(key_states, KS), q(value_states, VS), layer_idx, *args, **kwargs)
+
+
+def test_prompt_decode_verify_match_stock_sdpa_over_the_same_values(model, record):
+    """Forward by forward, with logits compared: the prompt (prefill route), one decode row,
+    8 verify rows, a crop of 5 and one more decode row."""
+    ids = demo.make_prompt(2, CTX + 1 + 8 + 1, DEV, seed=3)
+    chunks = [ids[:, :CTX], ids[:, CTX : CTX + 1], ids[:, CTX + 1 : CTX + 9]]
+    ours, stock = paged(model, batch=2), QuantizedDynamicCache()
+    worst = 0.0
+    with torch.no_grad():
+        for i, chunk in enumerate(chunks + [ids[:, CTX + 9 :]]):
+            if i == 3:  # reject the last 5 verify rows on both sides
+                ours.crop(-5)
+                stock.crop(-5)
+            model.set_attn_implementation("sdpa")
+            want = model(chunk, cache=stock).logits
+            model.set_attn_implementation(hf.NAME)
+            got = model(chunk, cache=ours).logits
+            assert torch.isfinite(got).all()
+            worst = max(worst, rel_err(got, want.double()))
+    assert ours.get_seq_length() == stock.get_seq_length() == CTX + 1 + 8 - 5 + 1
+    assert worst < 1e-2, worst
+    record("hf forwards vs stock sdpa", worst, f"head dim 256, G 6, {CTX} prompt, B 2")
+
+
+def generate(model, ids, cache, config=None, **kw):
+    """Greedy; compiled with `config`, else eager (transformers would compile a compileable
+    cache's decode steps with its default config on a GPU)."""
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            cache=cache,
+            max_new_tokens=24,
+            do_sample=False,
+            compile_config=config,
+            disable_compile=config is None,
+            **kw,
+        )
+
+
+@pytest.mark.parametrize("prompt_lookup", [None, 4])
+def test_generate_compiled_fullgraph_with_cuda_graphs(model, prompt_lookup, record):
+    """generate()'s compiled forward through the sm70attn backend's own CUDA graphs (the V100's
+    path: the same kernels as eager, so the same tokens). fullgraph=True: a graph break is an
+    error."""
+    model.set_attn_implementation(hf.NAME)
+    ids = demo.make_prompt(1, CTX, DEV, seed=4)
+    greedy = generate(model, ids, paged(model))
+    torch._dynamo.reset()
+    counters.clear()
+    config = hf.compile_config(mode=None, options={"inner": "cudagraphs"})
+    got = generate(model, ids, paged(model), config, prompt_lookup_num_tokens=prompt_lookup)
+    assert torch.equal(got, greedy), (got[0, CTX:], greedy[0, CTX:])
+    graphs = counters["stats"]["unique_graphs"]
+    recordings = counters["sm70attn"]["cuda_graph_recordings"]
+    skips = counters["sm70attn"]["cuda_graph_skips"]
+    assert skips == 0 and recordings >= 1
+    if prompt_lookup is None:
+        assert graphs == 1, graphs  # every decode step replays one graph
+    else:
+        assert graphs <= prompt_lookup + 1, graphs  # one per verify width (1 .. draft + 1 rows)
+    record(
+        f"hf generate compiled{' lookup' if prompt_lookup else ''}",
+        0.0,
+        f"{graphs} graphs, {recordings} recordings, {skips} skips, tokens equal",
+    )
+
+
+@pytest.mark.parametrize("which", ["transformers", "sm70attn"])
+def test_generate_with_inductor_and_cuda_graph_trees(model, which, record):
+    """transformers' default CompileConfig (inductor, mode reduce-overhead; what generate()
+    uses on a GPU when given none) and `compile_config()` (the sm70attn backend, which on this
+    GPU hands the graph to inductor), with fullgraph: the attention calls the op, so nothing
+    needs rewriting; logits close to eager while the tokens agree (inductor fuses the norms
+    and rounds differently)."""
+    model.set_attn_implementation(hf.NAME)
+    ids = demo.make_prompt(1, CTX, DEV, seed=5)
+    kw = dict(output_logits=True, return_dict_in_generate=True)
+    want = generate(model, ids, paged(model), **kw)
+    torch._dynamo.reset()
+    counters.clear()
+    config = CompileConfig(fullgraph=True) if which == "transformers" else hf.compile_config()
+    got = generate(model, ids, paged(model), config, **kw)
+    a, b = got.sequences[0, CTX:], want.sequences[0, CTX:]
+    differ = (a != b).nonzero()
+    n = int(differ[0]) + 1 if differ.numel() else len(a)  # steps whose inputs agree
+    err = rel_err(torch.stack(got.logits[:n]), torch.stack(want.logits[:n]).double())
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert counters["stats"]["unique_graphs"] == 1
+    assert err < 2e-2 and n >= 8, (err, n)
+    record(f"hf generate {which} inductor", err, f"tokens agree for {n} of {len(a)} steps")
