@@ -8,9 +8,17 @@
 Each tensor is tracked as an integer affine form over seq_lens[b] ("S") and arange indices,
 with the axis each term varies along; a comparison (<, <=, >, >=, either way round)
 normalises to f >= 0. Dims are placed with None indexing, unsqueeze, or a view/reshape that
-only adds or drops size-1 dims. The mask is sm70attn.verifier_mask(seq_lens, Q, T) exactly
-when f = S - Q + r - t over the axes [b, 1, r, t], with r an arange of Q and t an arange of
-T. Sizes (Q, T, and constants such as Q itself) may be symbolic under dynamic shapes.
+only adds or drops size-1 dims, or an expand of size-1 dims. The mask is
+sm70attn.verifier_mask(seq_lens, Q, T) exactly when f = S - Q + r - t over the axes
+[b, 1, r, t], with r an arange of Q and t an arange of T. Sizes (Q, T, and constants such as
+Q itself) may be symbolic under dynamic shapes.
+
+Without seq_lens, f = c + r - t over [1, 1, r, t] (expanded over the batch) is the mask of
+requests that all hold c + Q tokens, as transformers' sdpa mask writes it:
+`kv_arange <= arange(Q) + past`. c is a literal plus scalars of the graph (ints, SymInts, or
+0-d integer tensors such as a cache's length): `Offset`, from which the rewrite builds
+seq_lens = full(B, c + Q). As with seq_lens, c + Q must not exceed T (the op clamps the
+length to the table's capacity): a literal or SymInt c that provably does is refused.
 """
 
 from __future__ import annotations
@@ -20,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .common import Refused, meta, one, same, same_shape, shape, target_name, val
+from .common import Refused, known_int, meta, one, same, same_shape, shape, target_name, val
 
 
 @dataclass
@@ -31,6 +40,17 @@ class Form:
     axes: list  # per dim: the symbol the dim indexes, or None (size 1)
     seq_lens: fx.Node | None = None
     cond: bool = False  # a comparison: the mask is f >= 0
+    terms: tuple = ()  # (node, sign): the graph's scalars in const (a 0-d tensor's is not)
+
+
+@dataclass
+class Offset:
+    """Every request holds c + Q tokens, c = literal + sum(sign * term); Q is an int or the
+    node arange(Q) was given."""
+
+    literal: int
+    terms: tuple
+    q: object
 
 
 ADD = (operator.add, torch.add, "add")
@@ -76,8 +96,10 @@ def _form(node) -> Form:
         raise Refused(f"mask built from {node!r}")
     name = target_name(node)
     v = meta(node)
-    if isinstance(v, (int, torch.SymInt)):  # a size, e.g. Q = q.shape[2] under dynamic shapes
-        return Form({}, v, [])
+    if isinstance(v, (int, torch.SymInt)):  # a size (q.shape[2]), an offset, ...
+        return Form({}, v, [], terms=((node, 1),))
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype in (torch.int32, torch.int64):
+        return Form({}, 0, [], terms=((node, 1),))  # e.g. a cache's length as a tensor
     if node.op == "call_function" and node.target is torch.arange:
         n = _arange_size(node)
         if n is None:
@@ -122,6 +144,14 @@ def _form(node) -> Form:
         d = node.args[1]
         f.axes.insert(d if d >= 0 else d + len(f.axes) + 1, None)
         return f
+    if name == "expand" and node.op == "call_method":
+        f = _form(node.args[0])
+        old, new = shape(node.args[0]), shape(node)
+        for a, b in zip(old, new[len(new) - len(old) :], strict=True):
+            if not (same(a, b) or one(a)):
+                raise Refused(f"mask expanded from {old} to {new}")
+        f.axes = [None] * (len(new) - len(old)) + f.axes  # broadcast dims stay None
+        return f
     if name in ("view", "reshape"):
         f = _form(node.args[0])
         f.axes = _reaxis(f.axes, shape(node.args[0]), shape(node))
@@ -152,31 +182,42 @@ def _combine(a: Form, b: Form, sign: int) -> Form:
     coef = {k: c for k, c in coef.items() if c}
     if a.seq_lens is not None and b.seq_lens is not None and a.seq_lens is not b.seq_lens:
         raise Refused("mask uses two seq_lens tensors")
-    return Form(coef, a.const + sign * b.const, axes, a.seq_lens or b.seq_lens)
+    terms = a.terms + tuple((n, sign * k) for n, k in b.terms)
+    return Form(coef, a.const + sign * b.const, axes, a.seq_lens or b.seq_lens, terms=terms)
 
 
-def seq_lens_of_mask(mask: fx.Node, B, Q, T) -> fx.Node:
-    """seq_lens if `mask` is the verifier mask written out with arange comparisons."""
+def seq_lens_of_mask(mask: fx.Node, B, Q, T) -> fx.Node | Offset:
+    """seq_lens, or the Offset every request holds, if `mask` is the verifier mask written out
+    with arange comparisons."""
     f = _form(mask)
     if not f.cond:
         raise Refused("attn_mask is neither sm70attn.verifier_mask nor an arange comparison")
     if not same_shape(shape(mask), [B, 1, Q, T]) or len(f.axes) != 4:
         raise Refused(f"arange mask has shape {shape(mask)}, not [B, 1, Q, T]")
     b, head, r, t = f.axes
-    sizes = {n.name: _arange_size(n) for n in mask.graph.nodes if n.target is torch.arange}
+    aranges = {n.name: n for n in mask.graph.nodes if n.target is torch.arange}
+    sizes = {k: _arange_size(n) for k, n in aranges.items()}
     sizes = {k: n for k, n in sizes.items() if n is not None}
-    want = {k: v for k, v in {"S": 1, r: 1, t: -1}.items() if k is not None}
-    ok = (
-        b in ("b", None)
-        and head is None
+    rows_and_keys = (
+        head is None
         and r != t
         and (r in sizes and same(sizes[r], Q) if r is not None else one(Q))
         and t in sizes
         and same(sizes[t], T)
-        and f.coef == want
-        and same(f.const, -Q)
-        and f.seq_lens is not None
     )
-    if not ok:
-        raise Refused("arange mask is not t <= seq_len - Q + r")
-    return f.seq_lens
+    tensors = [n for n, _ in f.terms if isinstance(meta(n), torch.Tensor)]
+    if f.seq_lens is not None:
+        want = {k: v for k, v in {"S": 1, r: 1, t: -1}.items() if k is not None}
+        ok = rows_and_keys and b in ("b", None) and not tensors and f.coef == want
+        if not (ok and same(f.const, -Q)):
+            raise Refused("arange mask is not t <= seq_len - Q + r")
+        return f.seq_lens
+    want = {k: v for k, v in {r: 1, t: -1}.items() if k is not None}
+    scalars = sum((k * meta(n) for n, k in f.terms if n not in tensors), 0)
+    literal = known_int(f.const - scalars)
+    if not (rows_and_keys and b is None and f.coef == want and literal is not None):
+        raise Refused("arange mask is not t <= c + r (every request holding c + Q tokens)")
+    if not tensors and statically_known_true(f.const + Q > T):  # rows see every key
+        raise Refused(f"the mask's requests hold {f.const + Q} tokens, more than the {T} keys")
+    q = 1 if r is None else [a for a in aranges[r].args if not isinstance(a, torch.dtype)][-1]
+    return Offset(literal, f.terms, q)

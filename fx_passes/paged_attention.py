@@ -71,7 +71,7 @@ from .common import (
     val,
     writes_between,
 )
-from .mask import seq_lens_of_mask
+from .mask import Offset, seq_lens_of_mask
 
 log = logging.getLogger("torch_sm70attn")
 SDPA = (
@@ -509,6 +509,11 @@ def _seq_lens(graph, sdpa, mask, k: Layout, v: Layout, B, Q, T):
             raise Refused(
                 f"attn_mask is not sm70attn.verifier_mask(...) nor its arange form: {e}", MASK_FIX
             ) from None
+        if isinstance(seq_lens, Offset):  # every request holds c + Q: built at the SDPA
+            why = writes_between(graph._root, sdpa, [n for n, _ in seq_lens.terms])
+            if why:
+                raise Refused(why)
+            return seq_lens
     if meta(seq_lens).dtype != torch.int32:
         raise Refused("seq_lens is not int32", "keep seq_lens int32 (the op's dtype)")
     # eager read seq_lens where the mask was built (the arange form: from the graph's start)
@@ -517,6 +522,21 @@ def _seq_lens(graph, sdpa, mask, k: Layout, v: Layout, B, Q, T):
     if why:
         raise Refused(why)
     return seq_lens
+
+
+def _offset_lens(graph: fx.Graph, off: Offset, k: Layout, device) -> fx.Node:
+    """seq_lens of requests that all hold c + Q tokens: [B] int32 (mask.Offset)."""
+    total = off.literal
+    ints = [(n, s) for n, s in off.terms if not isinstance(meta(n), torch.Tensor)]
+    tensors = [(n, s) for n, s in off.terms if isinstance(meta(n), torch.Tensor)]
+    for n, s in [*ints, (off.q, 1)]:
+        total = fake(graph.call_function(operator.add if s > 0 else operator.sub, (total, n)))
+    rows = _size_node(graph, k, ("B",))
+    kw = {"dtype": torch.int32, "device": device}
+    lens = fake(graph.call_function(torch.full, ((rows,), total), kw))
+    for n, s in tensors:  # a 0-d length tensor: int32 + int64 0-d stays int32
+        lens = fake(graph.call_function(operator.add if s > 0 else operator.sub, (lens, n)))
+    return lens
 
 
 def _gathered_lens(graph: fx.Graph, k: Layout, device) -> fx.Node:
@@ -591,6 +611,8 @@ def rewrite_sdpa(graph: fx.Graph, sdpa: fx.Node) -> None:
     with graph.inserting_before(sdpa):
         if seq_lens is None:
             seq_lens = _gathered_lens(graph, k, q.device)
+        elif isinstance(seq_lens, Offset):
+            seq_lens = _offset_lens(graph, seq_lens, k, q.device)
         ks = scale_node(graph, k.scale, q.device)
         vs = scale_node(graph, v.scale, q.device)
         fused = graph.call_function(

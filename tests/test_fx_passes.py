@@ -242,6 +242,33 @@ def arange_mask_gt_off_by_one(*args):
     return gt_form(*args, plus=2)
 
 
+def offset_form(q, kc, vc, bt, sl, ks, vs, plus, past=None):
+    """transformers' sdpa mask: kv_arange <= arange(Q) + past, [1, 1, Q, T] expanded over the
+    batch; every request holds past + Q tokens (past: an int, or a 0-d tensor)."""
+    B, _, Q, _ = q.shape
+    k, v = gqa_kv(kc, vc, bt, ks, vs)
+    past = sl.max() - Q if past is None else past
+    kv = torch.arange(k.shape[2])[None, None, None, :]
+    rows = (torch.arange(Q) + past + plus)[None, None, :, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(kv <= rows).expand(B, -1, -1, -1))
+
+
+def offset_mask_int(*args):
+    """past an int: seq_lens = full(B, 30 + Q)."""
+    return offset_form(*args, plus=0, past=30)
+
+
+def offset_mask_tensor(*args):
+    """past a 0-d tensor (sl.max() - Q): seq_lens = full(B, sl.max())."""
+    return offset_form(*args, plus=0)
+
+
+def offset_mask_past_the_table(*args):
+    """past 60 with 48 keys gathered: every row sees every key, which seq_lens = 64 (clamped
+    to the table's 48 by the op) would not give the first rows."""
+    return offset_form(*args, plus=0, past=60)
+
+
 def arange_mask_regrouped(q, kc, vc, bt, sl, ks, vs):
     """last [B, Q] reshaped through [Q, B]: the rows of different requests mixed up."""
     B, _, Q, _ = q.shape
@@ -551,7 +578,16 @@ return (v8,)""",
         self.assertEqual(ctr.get("paged_attention_rewrite"), 1)
 
 
-@pytest.mark.parametrize("fn", [arange_mask_view, arange_mask_unsqueeze_ge, arange_mask_gt])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        arange_mask_view,
+        arange_mask_unsqueeze_ge,
+        arange_mask_gt,
+        offset_mask_int,
+        offset_mask_tensor,
+    ],
+)
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_mask_forms(fn, dynamic):
     args = problem(B=3, W=4, seed=10)
@@ -701,6 +737,7 @@ def per_query_head_scale(q, kc, vc, bt, sl, ks, vs):
         (arange_mask_view_off_by_one, "arange mask is not t <= seq_len - Q + r"),
         (arange_mask_gt_off_by_one, "arange mask is not t <= seq_len - Q + r"),
         (arange_mask_regrouped, "only size-1 dims may change"),
+        (offset_mask_past_the_table, "more than the 48 keys"),
     ],
 )
 def test_negative_twins(fn, reason, caplog):

@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from oracle import rel_err  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config  # noqa: E402
+from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
 import torch_sm70attn as sa  # noqa: E402
 from torch_sm70attn.integrations import transformers as hf  # noqa: E402
@@ -303,3 +304,89 @@ def test_generate_compiled_equals_eager(model):
         )
         assert torch.equal(got, greedy)
         assert len(graphs) == 1 if lookup is None else 1 < len(graphs) <= lookup + 1, graphs
+
+
+class _GatherLayer(CacheLayerMixin):
+    is_compileable = True
+
+    def __init__(self, cache):
+        super().__init__()
+        self.cache = cache
+
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def get_seq_length(self):
+        return self.cache.n
+
+    def get_mask_sizes(self, query_length):
+        return self.cache.capacity, 0
+
+    def get_max_length(self):
+        return self.cache.capacity
+
+
+class GatherCache(Cache):
+    """A user's FP8 cache for transformers' stock `sdpa` attention: paged E4M3 pools written
+    with the quantizing idiom, read back gathered and dequantized (the users' FP8 path)."""
+
+    def __init__(self, pages=32, page=16, width=4):
+        self.page, self.n, self.capacity = page, 0, width * page
+        shape = (pages, page, 2, 128)
+        self.kc = [torch.zeros(shape, dtype=FP8) for _ in range(2)]
+        self.vc = [torch.zeros(shape, dtype=FP8) for _ in range(2)]
+        self.table = torch.arange(width, dtype=torch.int32).view(1, width)
+        super().__init__(layers=[_GatherLayer(self) for _ in range(2)])
+
+    def get_seq_length(self, layer_idx=0):
+        return self.n
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        B, H, Q, D = key_states.shape
+        pos = torch.arange(Q) + self.n
+        slots = (self.table[:, pos // self.page].long() * self.page + pos % self.page).flatten()
+        out = []
+        for x, pool, s in ((key_states, self.kc, KS), (value_states, self.vc, VS)):
+            x = x.transpose(1, 2).reshape(-1, H, D)
+            pool[layer_idx].view(-1, H, D)[slots] = (x.float() / s).clamp(-448, 448).to(FP8)
+            out.append(
+                (pool[layer_idx][self.table.long()].flatten(1, 2).half() * s).transpose(1, 2)
+            )
+        if layer_idx == len(self.layers) - 1:
+            self.n += Q
+        return out[0], out[1]
+
+
+def test_stock_sdpa_over_a_gathering_cache_is_rewritten(model):
+    """transformers' own sdpa attention (its mask: kv_arange <= arange(Q) + past, expanded over
+    the batch) over a cache that gathers and dequantizes pages: the backend rewrites every
+    attention and cache write, decode and verify, with the offset an int, then a SymInt; the
+    logits equal eager's."""
+    from torch._dynamo.utils import counters
+
+    ids = prompt()
+    model.set_attn_implementation("sdpa")
+    try:
+        backend, _ = counting_backend()
+        counters.clear()
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        runs = []
+        for fwd in (model, compiled):
+            cache, out = GatherCache(), []
+            with torch.no_grad():
+                model(ids, cache=cache)  # the prompt, eager
+                for Q in (1, 1, 4, 1):
+                    out.append(fwd(ids[:, :Q], cache=cache).logits)
+            runs.append(out)
+    finally:
+        model.set_attn_implementation(hf.NAME)
+    for got, want in zip(runs[1], runs[0], strict=True):
+        assert rel_err(got, want.double()) < 1e-2
+    c = counters["sm70attn"]
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 3  # the offset static, then symbolic; then 4 rows
+    assert c["paged_attention_rewrite"] == c["store_kv_rewrite"] == 2 * graphs, dict(c)
+    assert not c.get("sdpa_refused") and not c.get("store_refused"), dict(c)
