@@ -164,13 +164,38 @@ VIEWS = {
     "split",
     "chunk",
     "unbind",
+    "getattr",  # x.T, x.mT
+    "movedim",
+    "diagonal",
+}
+# operator.iadd and friends: Dynamo's form of `x += y`, in place on a tensor
+IN_PLACE_OPERATORS = {
+    getattr(operator, f"i{n}")
+    for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor")
+    + ("lshift", "rshift", "matmul")
 }
 
 
+CONVERSIONS = {"to", "long", "int", "half", "float", "double", "type", "type_as", "bool"}
+
+
+def _aliases_its_input(node: fx.Node) -> bool:
+    """A view, or a conversion to the dtype its input already has (which returns the input)."""
+    name = target_name(node)
+    if name in VIEWS:
+        return True
+    if name not in CONVERSIONS or not isinstance(node.args[0], fx.Node):
+        return False
+    a, b = node.meta.get("example_value"), node.args[0].meta.get("example_value")
+    # unknown dtypes: assume the alias (more refusals, never a missed write)
+    return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype == b.dtype
+
+
 def root(node):
-    """The tensor a (possible) view was taken from: follows view-like ops to their source."""
+    """The tensor a (possible) view was taken from: follows view-like ops, and conversions
+    that return their input, to their source."""
     while isinstance(node, fx.Node) and node.op in ("call_function", "call_method"):
-        if target_name(node) not in VIEWS or not node.args:
+        if not node.args or not _aliases_its_input(node):
             break
         node = node.args[0]
     return node
@@ -183,6 +208,16 @@ def mutated_roots(node: fx.Node) -> list | None:
     t = node.target
     if t is operator.setitem:
         return [root(node.args[0])]
+    if t in IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True:  # x += y; F.relu(x, True)
+        return [root(node.args[0])] if node.args and isinstance(node.args[0], fx.Node) else []
+    if isinstance(t, torch._ops.OpOverloadPacket):  # torch.ops.ns.op(...): any overload's writes
+        schemas = (getattr(t, o)._schema for o in t.overloads())
+        writes = any(
+            a.alias_info is not None and a.alias_info.is_write
+            for sc in schemas
+            for a in sc.arguments
+        )
+        return None if writes else []
     if isinstance(t, torch._ops.OpOverload):
         return [
             root(node.args[i] if i < len(node.args) else node.kwargs[a.name])

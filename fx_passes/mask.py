@@ -98,8 +98,6 @@ def _form(node) -> Form:
     v = meta(node)
     if isinstance(v, (int, torch.SymInt)):  # a size (q.shape[2]), an offset, ...
         return Form({}, v, [], terms=((node, 1),))
-    if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype in (torch.int32, torch.int64):
-        return Form({}, 0, [], terms=((node, 1),))  # e.g. a cache's length as a tensor
     if node.op == "call_function" and node.target is torch.arange:
         n = _arange_size(node)
         if n is None:
@@ -163,6 +161,10 @@ def _form(node) -> Form:
         and node.op == "placeholder"
     ):
         return Form({"S": 1}, 0, ["b"], seq_lens=node)
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype in (torch.int32, torch.int64):
+        # e.g. a cache's length kept as a tensor (after .long()/.to() were looked through, so
+        # that the write check sees the tensor itself)
+        return Form({}, 0, [], terms=((node, 1),))
     raise Refused(f"mask built with {node.name} ({name})")
 
 
@@ -219,5 +221,7 @@ def seq_lens_of_mask(mask: fx.Node, B, Q, T) -> fx.Node | Offset:
         raise Refused("arange mask is not t <= c + r (every request holding c + Q tokens)")
     if not tensors and statically_known_true(f.const + Q > T):  # rows see every key
         raise Refused(f"the mask's requests hold {f.const + Q} tokens, more than the {T} keys")
+    if not tensors and statically_known_true(f.const < 0):  # the first rows see no key
+        raise Refused(f"the mask's requests hold {f.const + Q} tokens, fewer than its {Q} rows")
     q = 1 if r is None else [a for a in aranges[r].args if not isinstance(a, torch.dtype)][-1]
     return Offset(literal, f.terms, q)

@@ -1115,3 +1115,36 @@ def test_inductor_custom_pass_and_buckets():
     assert sa_backend.bucket(5) == 8
     with pytest.raises(ValueError):
         sa_backend.bucket(33)
+
+
+def offset_then_written(q, kc, vc, bt, past, how):
+    """The mask reads a 0-d length tensor (through .long(), an alias of an int64 tensor), then
+    the length moves on before the SDPA: eager's mask keeps the old length."""
+    B, _, Q, _ = q.shape
+    k, v = gqa_kv(kc, vc, bt, torch.tensor(0.1), torch.tensor(0.1))
+    rows = (torch.arange(Q) + past.long())[None, None, :, None]
+    mask = (torch.arange(k.shape[2])[None, None, None, :] <= rows).expand(B, -1, -1, -1)
+    if how == "iadd":
+        past += 7
+    elif how == "add_":
+        past.long().add_(7)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("how", ["iadd", "add_", None])
+def test_offset_length_written_after_the_mask(how, caplog):
+    q, kc, vc, bt = problem()[:4]
+    past = torch.tensor(20)
+
+    def fn(q, kc, vc, bt, past):
+        return offset_then_written(q, kc, vc, bt, past, how)
+
+    with caplog.at_level(logging.DEBUG, logger="torch_sm70attn"):
+        cap, out, ctr = compile_and_run(fn, q, kc, vc, bt, past.clone())
+    want = fn(q, kc, vc, bt, past.clone())
+    if how is None:  # nothing written: rewritten, seq_lens = 20 + Q
+        assert ctr.get("paged_attention_rewrite") == 1, ctr
+        assert rel_err(out, want.double()) < 2e-3
+    else:
+        assert ctr.get("sdpa_refused") == 1 and "may write" in caplog.text, ctr
+        torch.testing.assert_close(out, want)
