@@ -59,3 +59,25 @@ def test_inputs_used_in_place():
     assert marked.tolist() == [2.0] * 3 and args[2][0].tolist() == [1.0] * 3
     assert kc.view(torch.uint8)[1, 1].any()  # slot 17: page 1, offset 1
     assert out.shape == (2, 4)
+
+
+def test_writes_in_other_forms_are_found():
+    """x += y, inplace=True, a write through .contiguous() / a same-dtype .to(), and the op
+    called through its packet (torch.ops.sm70attn.store_kv): each input is written."""
+
+    def fn(a, b, c, d, kc, vc, k, slots, s, read):
+        a += 1
+        torch.nn.functional.relu(b, inplace=True)
+        c.contiguous().add_(1)
+        d.to(torch.float32).mul_(2)
+        torch.ops.sm70attn.store_kv(k, k, kc, vc, slots, s, s)
+        return read * 2
+
+    kc = torch.zeros(2, 16, 2, 4, dtype=torch.float8_e4m3fn)
+    k = torch.ones(2, 2, 4).half()
+    args = [torch.zeros(3) for _ in range(4)] + [kc, kc.clone(), k, torch.tensor([0, 1])]
+    args += [torch.tensor(1.0), torch.ones(3)]
+    seen, _ = graph_of(fn, *args)
+    written = seen["written"]
+    assert {"l_a_", "l_b_", "l_c_", "l_d_", "l_kc_", "l_vc_"} <= written, written
+    assert "l_read_" not in written  # the packet's call counts as writing its inputs, only

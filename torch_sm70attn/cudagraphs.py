@@ -4,17 +4,20 @@ The Dynamo graph runs as it is, in place, as eager code does: no AOT functionali
 AOT-eager, every `store_kv` became `auto_functionalized`, whose eager implementation clones the
 whole paged cache before the write and copies it back after: two passes over the pool per layer
 per step (measured on the H200: a 128K-token, batch-8 decode step of 4 layers went from 4.2 ms
-eager to 10.2 ms compiled), and an out-of-memory error once the pool is most of the GPU.
-Inductor removes those clones (its reinplacing pass); nothing does on the AOT-eager path.
+eager to 10.2 ms compiled), and memory the size of the pool for each clone. Inductor removes
+those clones (its reinplacing pass); nothing does on the AOT-eager path.
 
 One CUDA graph is recorded per input signature (shapes, strides, int inputs, and the address of
-each input the graph writes or that is static), after one eager warm-up call:
-- static inputs (parameters, buffers, `torch._dynamo.mark_static_address`) and inputs the graph
-  writes (the caches `store_kv` fills, lengths advanced in place) are used in place, at the
-  address the graph was recorded with (another address records another graph);
+each input used in place), after one eager warm-up call:
+- used in place, at the address the graph was recorded with (another address records another
+  graph): static inputs (parameters, buffers, `torch._dynamo.mark_static_address`), inputs the
+  graph writes (the caches `store_kv` fills, lengths advanced in place: found in the graph by
+  the passes' mutation analysis, and by the version counters of the warm-up call), and inputs
+  of 64 MiB or more;
 - every other tensor input is copied into a buffer the graph owns before each replay;
-- outputs are cloned out of the graph's memory, except those that alias an input.
-The recordings of one compiled graph share one memory pool: they run one at a time.
+- outputs are cloned out of the graph's memory, except those that are in-place inputs.
+The recordings of one compiled graph share one memory pool: they run one at a time. Calls
+that record autograd (training) run eagerly, as does a signature whose capture failed.
 """
 
 from __future__ import annotations
@@ -25,85 +28,25 @@ import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
+from .fx_passes.common import mutated_roots, root
+
 log = logging.getLogger("torch_sm70attn")
 
-# Tensor methods and functions that return a view of their first argument: a write through the
-# view is a write to the argument.
-_VIEWS = {
-    "view",
-    "reshape",
-    "flatten",
-    "unflatten",
-    "unsqueeze",
-    "squeeze",
-    "transpose",
-    "permute",
-    "expand",
-    "select",
-    "narrow",
-    "__getitem__",
-    "getitem",
-    "as_strided",
-    "view_as",
-    "unbind",
-    "split",
-    "chunk",
-    "t",
-    "T",
-    "movedim",
-    "diagonal",
-    "detach",
-    "alias",
-}
 MAX_RECORDINGS = 64  # per compiled graph: shapes, or an in-place input that keeps moving
-
-
-def _name(target) -> str:
-    if isinstance(target, str):
-        return target
-    name = getattr(target, "__name__", "") or str(target)
-    return name.split(".")[-1]
-
-
-def _written(node: fx.Node) -> list[fx.Node]:
-    """The tensor arguments `node` writes in place."""
-    t = node.target
-    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
-        out = []
-        for i, a in enumerate(t._schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-                out += [v] if isinstance(v, fx.Node) else []
-        return out
-    out = node.kwargs.get("out")  # torch.add(a, b, out=c)
-    if isinstance(out, fx.Node):
-        return [out]
-    if node.op in ("call_method", "call_function"):
-        name = _name(t)
-        in_place = name.endswith("_") and not name.endswith("__")
-        if (in_place or name == "setitem") and node.args and isinstance(node.args[0], fx.Node):
-            return [node.args[0]]
-    return []
-
-
-def _root(node: fx.Node) -> fx.Node:
-    """The placeholder (or other node) that `node` is a view of."""
-    while node.op in ("call_method", "call_function") and _name(node.target) in _VIEWS:
-        if not (node.args and isinstance(node.args[0], fx.Node)):
-            break
-        node = node.args[0]
-    return node
+LARGE = 64 << 20  # bytes: an input this large is read in place, never copied per replay
 
 
 def written_inputs(graph: fx.Graph) -> set[int]:
-    """Positions of the placeholders the graph writes (directly or through a view)."""
+    """Positions of the placeholders the graph writes, directly or through a view (the
+    passes' own mutation analysis; a node that may write anything counts as writing every
+    tensor it takes). The recorder adds the inputs its eager warm-up saw written."""
     pos = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
     out = set()
     for node in graph.nodes:
-        for w in _written(node):
-            r = _root(w)
-            if r in pos:
-                out.add(pos[r])
+        hit = mutated_roots(node)
+        if hit is None:
+            hit = [root(a) for a in node.all_input_nodes]
+        out |= {pos[r] for r in hit if r in pos}
     return out
 
 
@@ -118,9 +61,9 @@ def static_inputs(graph: fx.Graph) -> set[int]:
 
 
 class _Recording:
-    def __init__(self, fn, args, in_place: set[int], pool):
+    def __init__(self, fn, args, in_place: list[bool], pool):
         self.copied = [
-            i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in in_place
+            i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not in_place[i]
         ]
         self.args = list(args)
         for i in self.copied:  # the graph's own input buffers, outside its pool
@@ -128,6 +71,18 @@ class _Recording:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = fn(*self.args)
+        # outputs in the graph's memory are cloned at each replay; an output that is an
+        # in-place input (or a view of one) is that input
+        own = {
+            a.untyped_storage().data_ptr()
+            for i, a in enumerate(args)
+            if i not in self.copied and isinstance(a, torch.Tensor)
+        }
+        self.cloned = [
+            i
+            for i, o in enumerate(self.out)
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in own
+        ]
         # keep no reference to the in-place inputs (a cache dropped by its owner is freed)
         self.args = [a if i in self.copied else None for i, a in enumerate(self.args)]
         counters["sm70attn"]["cuda_graph_recordings"] += 1
@@ -136,20 +91,24 @@ class _Recording:
         for i in self.copied:
             self.args[i].copy_(args[i])
         self.graph.replay()
-        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        out = list(self.out)
+        for i in self.cloned:
+            out[i] = out[i].clone()
+        return type(self.out)(out)
 
-        def out(o):
-            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:
-                return o.clone()
-            return o
 
-        return type(self.out)(out(o) for o in self.out)
+def _versions(args) -> list:
+    """Each tensor input's version counter (None where there is none: inference tensors)."""
+    return [
+        a._version if isinstance(a, torch.Tensor) and not a.is_inference() else None for a in args
+    ]
 
 
 def graphed(gm: fx.GraphModule, example_inputs):
     """A callable that runs `gm` eagerly once per new input signature, then replays a CUDA
-    graph of it (module docstring). Falls back to running `gm` eagerly, counting a skip and
-    saying why, when an input is not a CUDA tensor or an int."""
+    graph of it (module docstring). Runs `gm` eagerly, counting a skip and saying why, when
+    an input is not a CUDA tensor or an int, when autograd records (training), or when a
+    capture fails."""
     fn = gm.forward
     why = None
     for x in example_inputs:
@@ -158,41 +117,82 @@ def graphed(gm: fx.GraphModule, example_inputs):
         elif not isinstance(x, (torch.Tensor, int, torch.SymInt)):
             why = f"an input is a {type(x).__name__}"
     if why is not None:
-        counters["sm70attn"]["cuda_graph_skips"] += 1
-        log.warning("sm70attn backend: no CUDA graph for this graph (%s); it runs eagerly", why)
-        return fn
-    in_place = written_inputs(gm.graph) | static_inputs(gm.graph)
+        return _eager(fn, why)
+    written = written_inputs(gm.graph) | static_inputs(gm.graph)
     recordings: dict[tuple, _Recording] = {}
     warm: set[tuple] = set()
+    eager_only: set[tuple] = set()
 
-    def key(args) -> tuple:
+    def in_place(args) -> list[bool]:
+        return [
+            isinstance(a, torch.Tensor) and (i in written or a.untyped_storage().nbytes() >= LARGE)
+            for i, a in enumerate(args)
+        ]
+
+    def key(args, place) -> tuple:
         k = []
-        for i, a in enumerate(args):
+        for a, p in zip(args, place, strict=True):
             if isinstance(a, torch.Tensor):
-                ptr = a.data_ptr() if i in in_place else None
-                k.append((tuple(a.shape), a.stride(), a.dtype, a.device, ptr))
+                k.append(
+                    (tuple(a.shape), a.stride(), a.dtype, a.device, a.data_ptr() if p else None)
+                )
             else:
                 k.append(a)
         return tuple(k)
 
     def run(*args):
-        k = key(args)
+        if torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args
+        ):
+            counters["sm70attn"]["cuda_graph_skips"] += 1  # autograd: no graph, as eager
+            return fn(*args)
+        place = in_place(args)
+        k = key(args, place)
         rec = recordings.get(k)
-        if rec is None:
-            if k not in warm:  # first call of a signature: eager (lazy init, cuBLAS, ...)
-                warm.add(k)
-                return fn(*args)
-            if len(recordings) == MAX_RECORDINGS:
+        if rec is not None:
+            return rec.replay(args)
+        if k in eager_only:
+            return fn(*args)
+        if k not in warm:  # first call of a signature: eager (lazy init, cuBLAS, ...)
+            if len(warm) >= 4 * MAX_RECORDINGS:
                 log.warning(
-                    "sm70attn backend: %d CUDA graphs recorded for one compiled graph, dropped "
-                    "to record again: too many shapes (pad the batch: backend.pad_batch), or "
-                    "new caches (reuse one: cache.reset())",
-                    MAX_RECORDINGS,
+                    "sm70attn backend: inputs at new addresses at every call: no CUDA graph "
+                    "(a cache or other written tensor must keep its address)"
                 )
-                recordings.clear()
-            # all recordings of this graph share the memory pool of a live one
-            pool = next(iter(recordings.values())).graph.pool() if recordings else None
-            rec = recordings[k] = _Recording(fn, args, in_place, pool)
+                warm.clear()
+            warm.add(k)
+            before = _versions(args)
+            out = fn(*args)
+            seen = {
+                i
+                for i, (v, a) in enumerate(zip(before, args, strict=True))
+                if v is not None and a._version != v
+            }
+            written.update(seen)  # writes the analysis missed: in place from now on
+            return out
+        if len(recordings) == MAX_RECORDINGS:
+            log.warning(
+                "sm70attn backend: %d CUDA graphs recorded for one compiled graph, dropped "
+                "to record again: too many shapes (pad the batch: backend.pad_batch), or "
+                "new caches (reuse one: cache.reset())",
+                MAX_RECORDINGS,
+            )
+            recordings.clear()
+        # all recordings of this graph share the memory pool of a live one
+        pool = next(iter(recordings.values())).graph.pool() if recordings else None
+        try:
+            rec = recordings[k] = _Recording(fn, args, place, pool)
+        except Exception as e:  # noqa: BLE001 - e.g. a host sync or copy inside the graph
+            eager_only.add(k)
+            counters["sm70attn"]["cuda_graph_skips"] += 1
+            log.warning("sm70attn backend: CUDA graph capture failed (%s); runs eagerly", e)
+            return fn(*args)
         return rec.replay(args)
 
     return run
+
+
+def _eager(fn, why: str):
+    counters["sm70attn"]["cuda_graph_skips"] += 1
+    log.warning("sm70attn backend: no CUDA graph for this graph (%s); it runs eagerly", why)
+    return fn
