@@ -4,7 +4,7 @@ weights, transformers' classes) on five paths:
 
   sm70attn           PagedE4M3Cache + the "sm70attn" attention (this library), eager
   sm70attn compiled  the same, the forward compiled whole (fullgraph) by the sm70attn backend
-                     and replayed as a CUDA graph (cudagraph trees)
+                     and replayed as a CUDA graph (the backend's recorder, a V100's path)
   fp8 gather         the same paged E4M3 cache, gathered, dequantized and fed to SDPA, as users
                      write it today, the attention compiled with inductor (dynamic shapes)
   stock fp16         transformers' sdpa attention with its default float16 DynamicCache, eager
@@ -68,7 +68,7 @@ def time_steps(model, cache, batch, rows, steps, warmup=3) -> float:
 
 def compiled(model, backend="sm70attn"):
     """The whole forward compiled, one graph per shape, replayed as a CUDA graph: through the
-    sm70attn backend (AOT-eager + cudagraph trees: the same kernels as eager) or, for the stock
+    sm70attn backend (its CUDA-graph recorder: the same kernels as eager) or, for the stock
     path, torch's "cudagraphs" backend."""
     torch._dynamo.reset()
     kw = dict(options={"inner": "cudagraphs"}) if backend == "sm70attn" else {}

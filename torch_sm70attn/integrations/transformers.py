@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 import torch_sm70attn as sa
-from torch_sm70attn.manifest import MANIFEST
+from torch_sm70attn.manifest import MANIFEST, admitted_capacity
 
 NAME = "sm70attn"  # no "flash" in it: transformers would look for a flash-attention package
 FP8 = torch.float8_e4m3fn
@@ -137,7 +137,10 @@ class PagedE4M3Cache(Cache):
     [B] int32, advanced in place by each forward and moved back by `crop`; a forward reads
     nothing from the host, so a compiled decode or verify step has no graph break and replays
     as a CUDA graph. The host keeps a copy of the length between eager steps (no device sync
-    to read it); after compiled steps `get_seq_length()` reads it back once.
+    to read it); after compiled steps `get_seq_length()` reads it back once. An eager forward
+    past a request's pages raises; a compiled one cannot check, and indexing past the table
+    stops the GPU with a device-side assert: size max_tokens for the prompt, the new tokens
+    and the drafts of every request.
     """
 
     def __init__(
@@ -201,12 +204,14 @@ class PagedE4M3Cache(Cache):
         """The table of a batch of B: request b owns pages b * W .. (b + 1) * W - 1."""
         if B > self._max_batch:
             raise ValueError(f"PagedE4M3Cache: batch {B} > max_batch_size {self._max_batch}")
-        if self._lens is not None and self.get_seq_length():
+        # a compiled first forward cannot check (a data-dependent branch): reset() first
+        if self._lens is not None and not torch.compiler.is_compiling() and self.get_seq_length():
             raise ValueError(
                 f"PagedE4M3Cache holds {self._lens.shape[0]} requests, the forward has {B}: "
                 "call cache.reset() before a new batch"
             )
-        W = self.num_pages // B
+        # at most the capacity the kernels admit: a compiled step passes the whole table
+        W = min(self.num_pages // B, admitted_capacity(self.page_size) // self.page_size)
         self._table = torch.arange(B * W, dtype=torch.int32, device=device).view(B, W)
         self._lens = torch.zeros(B, dtype=torch.int32, device=device)
         self._len = 0
@@ -339,8 +344,8 @@ def _prefill(query, kc, vc, table, lens, scale, ks, vs, fresh=False):
 def _mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):
     """The mask function of NAME: none is built (the attention applies the op's rule); a
     padded batch is refused, since its padding tokens would be stored and attended."""
-    if torch.compiler.is_compiling():  # the prompt, run eagerly, was checked
-        return None
+    if torch.compiler.is_compiling():  # a data-dependent check: eager forwards only (as
+        return None  # generate() runs the prompt, where padding would come from)
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
             "sm70attn attention: the batch has padding (attention_mask holds zeros); padding "
