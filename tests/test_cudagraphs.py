@@ -81,3 +81,83 @@ def test_writes_in_other_forms_are_found():
     written = seen["written"]
     assert {"l_a_", "l_b_", "l_c_", "l_d_", "l_kc_", "l_vc_"} <= written, written
     assert "l_read_" not in written  # the packet's call counts as writing its inputs, only
+
+
+class FakeGraph:
+    """A CUDA graph's semantics on the CPU: capture runs nothing (fn runs on scratch copies to
+    get output buffers of the right shapes); replay runs fn on the tensors it was recorded
+    with (a real graph keeps their addresses) and writes the results into those buffers."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, list(args)
+        scratch = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        self.out = fn(*scratch)
+
+    def replay(self):
+        for buf, new in zip(self.out, self.fn(*self.args), strict=True):
+            buf.copy_(new)
+
+    def pool(self):
+        return None
+
+
+def emulated(monkeypatch, fail=False):
+    monkeypatch.setattr(cudagraphs, "DEVICE", "cpu")
+
+    def capture(fn, args, pool):
+        if fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        g = FakeGraph(fn, args)
+        return g, g.out
+
+    monkeypatch.setattr(cudagraphs, "_capture", capture)
+
+
+def step(cache, lens, x):
+    """A decode step's shape: writes a cache row and advances a length in place."""
+    cache.index_copy_(0, lens.view(1), x.view(1, -1))
+    lens.add_(1)
+    return (cache.sum(0) * 2,)
+
+
+def test_recorder_warms_records_replays(monkeypatch):
+    """On the CPU with an emulated graph: call 1 eager, call 2 recorded (and run), calls 3+
+    replayed; the cache and length the graph writes are the caller's (in place), the input x
+    is copied in, outputs are fresh tensors each call; results equal eager's throughout."""
+    emulated(monkeypatch)
+    counters.clear()
+    gm = torch.fx.symbolic_trace(step)
+    run = cudagraphs.graphed(gm, [torch.zeros(8, 4), torch.tensor(0), torch.zeros(4)])
+    cache, lens = torch.zeros(8, 4), torch.tensor(0)
+    ref_cache, ref_lens = cache.clone(), lens.clone()
+    outs = []
+    for i in range(5):
+        x = torch.full((4,), float(i + 1))
+        (got,) = run(cache, lens, x)
+        (want,) = step(ref_cache, ref_lens, x)
+        assert torch.equal(got, want) and torch.equal(cache, ref_cache) and lens == ref_lens, i
+        outs.append((got, want))
+    assert counters["sm70attn"]["cuda_graph_recordings"] == 1
+    # each call's output is its own: later replays did not overwrite earlier outputs
+    assert all(torch.equal(got, want) for got, want in outs)
+    assert len({got.untyped_storage().data_ptr() for got, _ in outs}) == len(outs)
+
+
+def test_recorder_failed_capture_and_autograd_run_eagerly(monkeypatch):
+    emulated(monkeypatch, fail=True)
+    counters.clear()
+    gm = torch.fx.symbolic_trace(step)
+    run = cudagraphs.graphed(gm, [torch.zeros(8, 4), torch.tensor(0), torch.zeros(4)])
+    cache, lens = torch.zeros(8, 4), torch.tensor(0)
+    for _ in range(3):
+        run(cache, lens, torch.ones(4))
+    assert lens == 3 and counters["sm70attn"]["cuda_graph_skips"] == 1  # failed once, eager
+    emulated(monkeypatch)
+    w = torch.ones(4, requires_grad=True)
+    gm = torch.fx.symbolic_trace(lambda w, x: (w * x,))
+    run = cudagraphs.graphed(gm, [w, torch.ones(4)])
+    for _ in range(3):
+        (y,) = run(w, torch.ones(4))
+        y.sum().backward()
+    assert torch.equal(w.grad, torch.full((4,), 3.0))
+    assert counters["sm70attn"]["cuda_graph_recordings"] == 0

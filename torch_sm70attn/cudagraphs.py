@@ -34,6 +34,7 @@ log = logging.getLogger("torch_sm70attn")
 
 MAX_RECORDINGS = 64  # per compiled graph: shapes, or an in-place input that keeps moving
 LARGE = 64 << 20  # bytes: an input this large is read in place, never copied per replay
+DEVICE = "cuda"  # the device whose graphs are recorded (the CPU tests emulate one)
 
 
 def written_inputs(graph: fx.Graph) -> set[int]:
@@ -68,9 +69,7 @@ class _Recording:
         self.args = list(args)
         for i in self.copied:  # the graph's own input buffers, outside its pool
             self.args[i] = args[i].clone()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = fn(*self.args)
+        self.graph, self.out = _capture(fn, self.args, pool)
         # outputs in the graph's memory are cloned at each replay; an output that is an
         # in-place input (or a view of one) is that input
         own = {
@@ -97,6 +96,14 @@ class _Recording:
         return type(self.out)(out)
 
 
+def _capture(fn, args, pool):
+    """(CUDA graph of fn(*args), its outputs): recorded, not run."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn(*args)
+    return graph, out
+
+
 def _versions(args) -> list:
     """Each tensor input's version counter (None where there is none: inference tensors)."""
     return [
@@ -112,7 +119,7 @@ def graphed(gm: fx.GraphModule, example_inputs):
     fn = gm.forward
     why = None
     for x in example_inputs:
-        if isinstance(x, torch.Tensor) and x.device.type != "cuda":
+        if isinstance(x, torch.Tensor) and x.device.type != DEVICE:
             why = f"an input is on {x.device}"
         elif not isinstance(x, (torch.Tensor, int, torch.SymInt)):
             why = f"an input is a {type(x).__name__}"
