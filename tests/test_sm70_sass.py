@@ -1,0 +1,43 @@
+"""tools/sm70_sass.py's reading of an nvdisasm listing (no nvdisasm needed): instructions,
+labels, the loop a backward branch closes, and the instruction classes."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import sm70_sass  # noqa: E402
+
+LISTING = """
+//--------------------- .text._Z1kv --------------------------
+.text._Z1kv:
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/               @P0 BRA `(.L_x_1) ;
+.L_x_0:
+        /*0020*/                   LDG.E.128.SYS R4, [R2] ;
+        /*0030*/                   HMMA.884.F32.F32.STEP0 R8, R4.ROW, R6.COL, R8 ;
+        /*0040*/                   FFMA R9, R9, R10, R11 ;
+        /*0050*/                   IADD3 R2, R2, 0x10, RZ ;
+        /*0060*/                   ISETP.GE.AND P1, PT, R2, R3, PT ;
+        /*0070*/              @!P1 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0080*/                   STG.E.SYS [R12], R8 ;
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_listing_loops_and_classes():
+    kernels = sm70_sass.parse(LISTING)
+    assert list(kernels) == ["_Z1kv"]
+    insns = kernels["_Z1kv"]
+    assert sm70_sass.loops(insns) == [(0x20, 0x70)]
+    r = sm70_sass.analyse(insns)
+    k, loop = r["kernel"], r["main_loop"]
+    assert k["total"] == 10 and k["ldg"] == 1 and k["stg"] == 1 and k["tensor"] == 1
+    assert (loop["total"], loop["ldg"], loop["tensor"], loop["fp32"], loop["int"]) == (
+        6,
+        1,
+        1,
+        1,
+        2,
+    )
+    assert loop["control"] == 1 and loop["stg"] == 0 and r["inner_loops"] == 0
