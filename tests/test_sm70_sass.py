@@ -40,4 +40,4 @@ def test_listing_loops_and_classes():
         1,
         2,
     )
-    assert loop["control"] == 1 and loop["stg"] == 0 and r["inner_loops"] == 0
+    assert loop["control"] == 1 and loop["stg"] == 0 and r["inner_loops"] == []

@@ -13,10 +13,10 @@ then disassembled with nvdisasm from CUDA 11.8: nvdisasm 13 refuses sm_70. Debia
 
     python tools/sm70_sass.py --nvdisasm x/usr/bin/nvdisasm [--kernels 'D256 MB4'] [--json f]
 
-Loops are read from the control flow: a branch to a lower address closes a loop whose body
-runs from the branch target to the branch. The static count of a loop body is its dynamic
-count per iteration only without inner loops: those are counted once here (their trip counts
-are not derived yet), and the table's last column says how many the main loop holds. The loop with the most instructions that holds
+Loops are the natural loops of the control-flow graph (basic blocks from labels and branches,
+back edges to a dominating block). The main loop is the KV tile loop: the smallest loop that
+holds HMMA and a barrier. Its row counts one iteration outside its inner loops; the last
+column lists the inner loops' body sizes, whose trip counts (not derived yet) multiply them. The loop with the most instructions that holds
 a global load is reported as the kernel's main (KV tile) loop. Classes: tensor (HMMA), global
 and shared loads and stores, local (spills), shuffles, FP32, FP16x2, MUFU (exp2, rcp),
 conversions, integer, moves, control, other.
@@ -62,9 +62,9 @@ LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
 
-def parse(sass: str) -> dict[str, list[tuple[int, str, str]]]:
-    """{kernel: [(address, opcode, operands)]} of an `nvdisasm -c` listing, labels resolved to
-    the address of the instruction that follows them ("LABEL" pseudo-entries, opcode '')."""
+def parse(sass: str) -> dict[str, list[tuple]]:
+    """{kernel: [(address, opcode, operands, predicated)]} of an `nvdisasm -c` listing; a label
+    is an entry with opcode '' and its name as operands, at the next instruction's address."""
     kernels, cur, pending = {}, None, []
     for line in sass.splitlines():
         m = re.match(r"^\.text\.(\S+):", line)
@@ -81,43 +81,122 @@ def parse(sass: str) -> dict[str, list[tuple[int, str, str]]]:
         if m:
             addr = int(m.group(1), 16)
             for lab in pending:
-                cur.append((addr, "", lab))
+                cur.append((addr, "", lab, False))
             pending = []
-            cur.append((addr, m.group(3), m.group(5)))
+            cur.append((addr, m.group(3), (m.group(2) or "") + m.group(5), m.group(2) is not None))
     return kernels
 
 
 def mix(insns) -> collections.Counter:
-    c = collections.Counter(CLASS_OF.get(op, "other") for _, op, _ in insns if op)
+    c = collections.Counter(CLASS_OF.get(x[1], "other") for x in insns if x[1])
     c["total"] = sum(c[k] for k in COLUMNS)
     return c
 
 
+def blocks(insns) -> tuple[list[list], dict[int, set[int]]]:
+    """Basic blocks (lists of instructions) and their successor edges: a block ends at a label
+    or after a branch or exit; an unconditional BRA/EXIT/RET does not fall through."""
+    out, cur, labels = [], [], {}
+    for x in insns:
+        if not x[1]:  # a label starts a block
+            if cur:
+                out.append(cur)
+                cur = []
+            labels[x[2]] = len(out)
+            continue
+        cur.append(x)
+        if x[1] in ("BRA", "EXIT", "RET", "JMP", "BREAK"):
+            out.append(cur)
+            cur = []
+    if cur:
+        out.append(cur)
+    succ: dict[int, set[int]] = {i: set() for i in range(len(out))}
+    for i, blk in enumerate(out):
+        last = blk[-1]
+        t = TARGET.search(last[2]) if last[1] == "BRA" else None
+        if t and t.group(1) in labels:
+            succ[i].add(labels[t.group(1)])
+        predicated = last[3]
+        if last[1] not in ("BRA", "EXIT", "RET", "JMP", "BREAK") or predicated:
+            if i + 1 < len(out):
+                succ[i].add(i + 1)
+    return out, succ
+
+
+def natural_loops(succ: dict[int, set[int]]) -> dict[int, set[int]]:
+    """{header: blocks of its natural loop} from back edges u -> h, h dominating u."""
+    seen, work = {0}, [0]  # blocks reachable from the entry (not subroutines only CALLed)
+    while work:
+        for v in succ[work.pop()]:
+            if v not in seen:
+                seen.add(v)
+                work.append(v)
+    nodes = sorted(seen)
+    pred = {n: set() for n in nodes}
+    for u in nodes:
+        for v in succ[u]:
+            pred[v].add(u)
+    dom = {n: set(nodes) for n in nodes}
+    dom[0] = {0}
+    changed = True
+    while changed:
+        changed = False
+        for n in nodes[1:]:
+            ps = [dom[p] for p in pred[n]]
+            new = (set.intersection(*ps) if ps else set()) | {n}
+            if new != dom[n]:
+                dom[n], changed = new, True
+    loops: dict[int, set[int]] = {}
+    for u in nodes:
+        for h in succ[u]:
+            if h in dom[u]:  # back edge
+                body, work = {h, u}, ([u] if u != h else [])  # never past the header
+                while work:
+                    for p in pred[work.pop()]:
+                        if p not in body:
+                            body.add(p)
+                            work.append(p)
+                loops.setdefault(h, set()).update(body)
+    return loops
+
+
 def loops(insns) -> list[tuple[int, int]]:
-    """(start, end) addresses of each loop: a branch back to a lower address."""
-    labels = {ops: a for a, op, ops in insns if not op}
+    """(first, last) addresses of each natural loop's blocks (for reading; loops may hold
+    blocks the compiler laid out elsewhere)."""
+    bl, succ = blocks(insns)
     out = []
-    for a, op, ops in insns:
-        t = TARGET.search(ops) if op == "BRA" else None
-        if t and t.group(1) in labels and labels[t.group(1)] <= a:
-            out.append((labels[t.group(1)], a))
-    return out
+    for body in natural_loops(succ).values():
+        addrs = [x[0] for b in body for x in bl[b]]
+        out.append((min(addrs), max(addrs)))
+    return sorted(out)
 
 
 def analyse(insns) -> dict:
+    """The kernel's mix; and for the main loop (the natural loop holding HMMA and a barrier
+    with the fewest blocks, else the largest one holding a global load): the mix of one
+    iteration outside its inner loops ("main_loop"), and each inner loop's body."""
     body = [x for x in insns if x[1]]
     r = {"kernel": mix(body)}
-    spans = loops(insns)
-    inside = {
-        s: [x for x in body if s[0] <= x[0] <= s[1]] for s in spans
-    }  # nested loops counted once
-    main = [s for s in spans if any(op == "LDG" for _, op, _ in inside[s])]
-    if main:
-        best = max(main, key=lambda s: len(inside[s]))
-        r["main_loop"] = mix(inside[best])
-        r["main_loop_span"] = best
-        r["inner_loops"] = sum(1 for s in spans if s != best and best[0] <= s[0] <= s[1] <= best[1])
-    r["loops"] = len(spans)
+    bl, succ = blocks(insns)
+    nat = natural_loops(succ)
+    r["loops"] = len(nat)
+
+    def has(loop, *ops):
+        return all(any(x[1] == op for b in loop for x in bl[b]) for op in ops)
+
+    cands = [h for h, lb in nat.items() if has(lb, "HMMA", "BAR")]
+    if cands:
+        main = min(cands, key=lambda h: len(nat[h]))
+    else:
+        cands = [h for h, lb in nat.items() if has(lb, "LDG")]
+        main = max(cands, key=lambda h: len(nat[h])) if cands else None
+    if main is None:
+        return r
+    inner = [h for h in nat if h != main and nat[h] < nat[main]]
+    in_inner = set().union(*(nat[h] for h in inner)) if inner else set()
+    own = [x for b in sorted(nat[main] - in_inner) for x in bl[b]]
+    r["main_loop"] = mix(own)
+    r["inner_loops"] = [dict(mix([x for b in sorted(nat[h]) for x in bl[b]])) for h in inner]
     return r
 
 
@@ -138,15 +217,16 @@ def disassemble(args):
 
 
 def table(results) -> str:
-    """Static counts per class; main_loop rows: one iteration, its inner loops (last column)
-    counted once."""
+    """Static counts per class; main_loop rows: one iteration outside its inner loops, whose
+    body sizes the last column lists (their trip counts multiply them)."""
     cols = ["total", *COLUMNS]
     head = f"{'kernel':<22} {'where':<10}" + "".join(f"{c:>8}" for c in cols) + "   inner"
     lines = [head, "-" * len(head)]
     for name, r in results:
         for where in ("kernel", "main_loop"):
             if where in r:
-                inner = f"{r['inner_loops']:>8}" if where == "main_loop" else ""
+                sizes = "+".join(str(x["total"]) for x in r.get("inner_loops", [])) or "-"
+                inner = f"   {sizes}" if where == "main_loop" else ""
                 row = "".join(f"{r[where][c]:>8}" for c in cols)
                 lines.append(f"{name:<22} {where:<10}{row}{inner}")
     return "\n".join(lines)
