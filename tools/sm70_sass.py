@@ -50,10 +50,12 @@ CLASSES = {
     "mufu": {"MUFU"},
     "cvt": {"F2F", "F2I", "I2F", "I2I", "F2FP"},
     "int": {"IMAD", "IADD3", "LEA", "SHF", "LOP3", "ISETP", "IMNMX", "SEL", "PRMT", "IABS"}
-    | {"POPC", "FLO", "BMSK", "SGXT", "IMUL", "IADD", "LOP", "SHL", "SHR", "BREV", "PLOP3"},
-    "move": {"MOV", "S2R", "CS2R", "S2UR", "R2UR", "MOVM", "P2R", "R2P", "LDC", "ULDC"},
+    | {"POPC", "FLO", "BMSK", "SGXT", "IMUL", "IADD", "LOP", "SHL", "SHR", "BREV", "PLOP3"}
+    | {"UIADD3", "USHF", "ULEA", "UIMAD", "ULOP3", "UISETP", "USEL", "UPRMT"},  # sm_80+: uniform
+    "move": {"MOV", "S2R", "CS2R", "S2UR", "R2UR", "MOVM", "P2R", "R2P", "LDC", "ULDC", "UMOV"},
     "control": {"BRA", "BSSY", "BSYNC", "EXIT", "BAR", "WARPSYNC", "RET", "CALL", "BREAK", "NOP"}
-    | {"BMOV", "YIELD", "SSY", "SYNC", "VOTE", "MEMBAR", "ERRBAR", "DEPBAR", "JMP", "BPT"},
+    | {"BMOV", "YIELD", "SSY", "SYNC", "VOTE", "MEMBAR", "ERRBAR", "DEPBAR", "JMP", "BPT"}
+    | {"ENDCOLLECTIVE", "ELECT", "VOTEU"},
 }
 CLASS_OF = {op: c for c, ops in CLASSES.items() for op in ops}
 COLUMNS = [*CLASSES, "other"]
