@@ -78,8 +78,9 @@ def kernel_list():
     return out
 
 
-def nvrtc_ptx(nvrtc_path, incs, arch, name, source):
-    """PTX of one program; RuntimeError with the log on a compile error."""
+def nvrtc_ptx(nvrtc_path, incs, arch, name, source, extra=()):
+    """PTX of one program (`extra`: more NVRTC options); RuntimeError with the log on a
+    compile error."""
     lib = ctypes.CDLL(nvrtc_path)
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     prog = ctypes.c_void_p()
@@ -95,6 +96,7 @@ def nvrtc_ptx(nvrtc_path, incs, arch, name, source):
     opts = [f"--gpu-architecture=compute_{arch[3:]}", "-std=c++17", "-I" + CSRC] + [
         "-I" + i for i in incs
     ]
+    opts += list(extra)
     res = lib.nvrtcCompileProgram(
         prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     )

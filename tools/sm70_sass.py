@@ -16,7 +16,9 @@ then disassembled with nvdisasm from CUDA 11.8: nvdisasm 13 refuses sm_70. Debia
 Loops are the natural loops of the control-flow graph (basic blocks from labels and branches,
 back edges to a dominating block). The main loop is the KV tile loop: the smallest loop that
 holds HMMA and a barrier. Its row counts one iteration outside its inner loops; the last
-column lists the inner loops' body sizes, whose trip counts (not derived yet) multiply them. The loop with the most instructions that holds
+column lists the inner loops' body sizes, whose trip counts (not derived yet) multiply them,
+and the source `for` of each inner loop is printed after the table (the kernels are built
+with line info, which changes no instruction). The loop with the most instructions that holds
 a global load is reported as the kernel's main (KV tile) loop. Classes: tensor (HMMA), global
 and shared loads and stores, local (spills), shuffles, FP32, FP16x2, MUFU (exp2, rcp),
 conversions, integer, moves, control, other.
@@ -62,13 +64,19 @@ COLUMNS = [*CLASSES, "other"]
 INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.\S+)?\s*([^;]*);")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+SOURCE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 
 def parse(sass: str) -> dict[str, list[tuple]]:
-    """{kernel: [(address, opcode, operands, predicated)]} of an `nvdisasm -c` listing; a label
-    is an entry with opcode '' and its name as operands, at the next instruction's address."""
-    kernels, cur, pending = {}, None, []
+    """{kernel: [(address, opcode, operands, predicated, "file:line" or None)]} of an
+    `nvdisasm -c [-g]` listing; a label is an entry with opcode '' and its name as operands, at
+    the next instruction's address."""
+    kernels, cur, pending, src = {}, None, [], None
     for line in sass.splitlines():
+        m = SOURCE.search(line)
+        if m:  # nvdisasm -g: the source line of the instructions that follow
+            src = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+            continue
         m = re.match(r"^\.text\.(\S+):", line)
         if m:
             cur = kernels.setdefault(m.group(1), [])
@@ -83,9 +91,10 @@ def parse(sass: str) -> dict[str, list[tuple]]:
         if m:
             addr = int(m.group(1), 16)
             for lab in pending:
-                cur.append((addr, "", lab, False))
+                cur.append((addr, "", lab, False, None))
             pending = []
-            cur.append((addr, m.group(3), (m.group(2) or "") + m.group(5), m.group(2) is not None))
+            pred = m.group(2) is not None
+            cur.append((addr, m.group(3), (m.group(2) or "") + m.group(5), pred, src))
     return kernels
 
 
@@ -198,21 +207,43 @@ def analyse(insns) -> dict:
     in_inner = set().union(*(nat[h] for h in inner)) if inner else set()
     own = [x for b in sorted(nat[main] - in_inner) for x in bl[b]]
     r["main_loop"] = mix(own)
-    r["inner_loops"] = [dict(mix([x for b in sorted(nat[h]) for x in bl[b]])) for h in inner]
+    r["inner_loops"] = []
+    for h in inner:
+        xs = [x for b in sorted(nat[h]) for x in bl[b]]
+        r["inner_loops"].append({**mix(xs), "for": _for_line(xs)})
     return r
+
+
+def _for_line(insns) -> str | None:
+    """The first `for` statement among the source lines of a loop's instructions (with line
+    info), e.g. "paged_attention.cuh:169 for (int i = 0; i < KT::DPK; ++i) {"."""
+    found = []
+    for loc in {x[4] for x in insns if x[4]}:
+        path, line = loc.rsplit(":", 1)
+        full = os.path.join(sm70_check.CSRC, "sm70attn", path)
+        if os.path.exists(full):
+            text = open(full).read().splitlines()[int(line) - 1].strip()
+            if text.startswith("for ("):
+                found.append((path, int(line), text))
+    if not found:
+        return None
+    path, line, text = min(found)
+    return f"{path}:{line} {text}"
 
 
 def disassemble(args):
     """Build one kernel for the arch (as the SM70 gate does) and disassemble it."""
     (name, header, inst, _), arch, nvrtc, ptxas, incs, nvdisasm = args
     src = f'#include "sm70attn/{header}"\n{inst}\n'
-    ptx = sm70_check.nvrtc_ptx(nvrtc, incs, arch, name.replace(" ", "_") + ".cu", src)
+    fname = name.replace(" ", "_") + ".cu"
+    ptx = sm70_check.nvrtc_ptx(nvrtc, incs, arch, fname, src, extra=("-lineinfo",))
     with tempfile.TemporaryDirectory() as tmp:
         ptx_path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx_path, "w") as f:
             f.write(ptx)
-        subprocess.run([ptxas, f"-arch={arch}", ptx_path, "-o", cubin], check=True)
-        sass = subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True, text=True)
+        subprocess.run([ptxas, f"-arch={arch}", "-lineinfo", ptx_path, "-o", cubin], check=True)
+        cmd = [nvdisasm, "-c", "-g", cubin]
+        sass = subprocess.run(cmd, check=True, capture_output=True, text=True)
     kernels = parse(sass.stdout)
     entry = max(kernels, key=lambda k: len(kernels[k]))  # the one entry (plus helpers, if any)
     return name, analyse(kernels[entry])
@@ -254,6 +285,10 @@ def main() -> int:
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(disassemble, jobs))
     print(table(results))
+    loops = {x["for"] for _, r in results for x in r.get("inner_loops", []) if x["for"]}
+    if loops:
+        print("\ninner loops of the tile loops (trip counts multiply their bodies):")
+        print("\n".join(f"  {f}" for f in sorted(loops)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
