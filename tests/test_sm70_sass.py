@@ -4,6 +4,8 @@ labels, the loop a backward branch closes, and the instruction classes."""
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import sm70_sass  # noqa: E402
 
@@ -41,3 +43,32 @@ def test_listing_loops_and_classes():
         2,
     )
     assert loop["control"] == 1 and loop["stg"] == 0 and r["inner_loops"] == []
+
+
+def test_unroll_step_of_a_loop_counter():
+    loop = [
+        (0x10, "IADD3", "R123, R123, 0x4, RZ ", False, None, None),
+        (0x20, "ISETP", "P0, PT, R123, 0x8, PT ", False, None, ".NE.AND"),
+        (0x30, "IADD3", "R5, R5, 0x10, RZ ", False, None, None),  # not compared: an address
+    ]
+    assert sm70_sass._unroll(loop) == 4
+    assert sm70_sass._unroll(loop[1:]) == 1  # no counter found: one iteration a trip
+
+
+def test_trip_counts_evaluated_in_the_kernels_scope():
+    """The bounds of the tile loop's inner loops, for D128 MB4 (NVRTC from the sm70check
+    wheels): KT::DPK = 8 D slices, PASSES = 2 softmax passes (a constexpr of the kernel)."""
+    import sm70_check
+
+    try:
+        nvrtc, _, incs = sm70_check.wheel_paths()
+    except SystemExit:
+        pytest.skip("the CUDA 12.9 wheels (extra sm70check) are not installed")
+    loops = [
+        "paged_attention.cuh:169 for (int i = 0; i < KT::DPK; ++i) {",
+        "paged_attention.cuh:202 for (int k = 0; k < PASSES; ++k) {",
+        "paged_attention.cuh:1 while (true) {",
+    ]
+    traits = "sm70attn::AttnTraits<128, 4, 16>"
+    got = sm70_sass.trip_counts(nvrtc, incs, "sm_70", traits, "paged_attention.cuh", loops)
+    assert got == [8, 2, None]

@@ -15,13 +15,18 @@ then disassembled with nvdisasm from CUDA 11.8: nvdisasm 13 refuses sm_70. Debia
 
 Loops are the natural loops of the control-flow graph (basic blocks from labels and branches,
 back edges to a dominating block). The main loop is the KV tile loop: the smallest loop that
-holds HMMA and a barrier. Its row counts one iteration outside its inner loops; the last
-column lists the inner loops' body sizes, whose trip counts (not derived yet) multiply them,
-and the source `for` of each inner loop is printed after the table (the kernels are built
-with line info, which changes no instruction). The loop with the most instructions that holds
-a global load is reported as the kernel's main (KV tile) loop. Classes: tensor (HMMA), global
-and shared loads and stores, local (spills), shuffles, FP32, FP16x2, MUFU (exp2, rcp),
-conversions, integer, moves, control, other.
+holds HMMA and a barrier (else the largest that holds a global load). Its row counts one
+iteration outside its inner loops; the last column lists the inner loops' body sizes times
+their trip counts and the total of one tile (the instructions each warp issues per tile).
+Each inner loop is named by its source `for` (the kernels are built with line info, which
+changes no instruction); its trip count is the source bound, evaluated by NVRTC for the
+kernel's traits in the scope of the kernel's own constexprs, divided by the step of the loop
+counter in the SASS (partial unrolling). A loop with two back edges (the softmax's `continue`
+for padding rows) is two natural loops here, both counted at the full trip count: an upper
+bound by those few instructions. The check after each tile total is the tile's HMMA products
+over all warps divided by the 2 x ROWS x N x D the tile needs: 1.00 where the count is whole.
+Classes: tensor (HMMA), global and shared loads and stores, local (spills), shuffles, FP32,
+FP16x2, MUFU (exp2, rcp), conversions, integer, moves, control, other.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ SOURCE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 
 def parse(sass: str) -> dict[str, list[tuple]]:
-    """{kernel: [(address, opcode, operands, predicated, "file:line" or None)]} of an
+    """{kernel: [(address, opcode, operands, predicated, "file:line" or None, modifiers)]} of an
     `nvdisasm -c [-g]` listing; a label is an entry with opcode '' and its name as operands, at
     the next instruction's address."""
     kernels, cur, pending, src = {}, None, [], None
@@ -91,16 +96,23 @@ def parse(sass: str) -> dict[str, list[tuple]]:
         if m:
             addr = int(m.group(1), 16)
             for lab in pending:
-                cur.append((addr, "", lab, False, None))
+                cur.append((addr, "", lab, False, None, None))
             pending = []
             pred = m.group(2) is not None
-            cur.append((addr, m.group(3), (m.group(2) or "") + m.group(5), pred, src))
+            cur.append((addr, m.group(3), (m.group(2) or "") + m.group(5), pred, src, m.group(4)))
     return kernels
+
+
+# multiply-adds per warp of one HMMA, by shape: sm_70's 884, sm_80+'s 1688 and 16816
+HMMA_MACS = {"884": 256, "1688": 1024, "16816": 2048}
 
 
 def mix(insns) -> collections.Counter:
     c = collections.Counter(CLASS_OF.get(x[1], "other") for x in insns if x[1])
     c["total"] = sum(c[k] for k in COLUMNS)
+    for x in insns:  # hmma_macs: no column, for the product check
+        if x[1] == "HMMA" and x[5]:
+            c["hmma_macs"] += HMMA_MACS.get(x[5].split(".")[1], 0)
     return c
 
 
@@ -210,8 +222,20 @@ def analyse(insns) -> dict:
     r["inner_loops"] = []
     for h in inner:
         xs = [x for b in sorted(nat[h]) for x in bl[b]]
-        r["inner_loops"].append({**mix(xs), "for": _for_line(xs)})
+        r["inner_loops"].append({**mix(xs), "for": _for_line(xs), "step": _unroll(xs)})
     return r
+
+
+def _unroll(insns) -> int:
+    """Source iterations per trip of a loop: the step of its counter (`IADD3 Rc, Rc, STEP, RZ`
+    with Rc compared by an ISETP of the loop), 1 if there is none (the compiler unrolls
+    partially: D128's QK^T loop runs 2 trips of 4 slices)."""
+    compared = {r for x in insns if x[1] == "ISETP" for r in re.findall(r"\bR\d+\b", x[2])}
+    for x in insns:
+        m = re.match(r"\s*(R\d+), \1, (0x[0-9a-f]+|\d+), RZ\s*$", x[2]) if x[1] == "IADD3" else None
+        if m and m.group(1) in compared:
+            return int(m.group(2), 0)
+    return 1
 
 
 def _for_line(insns) -> str | None:
@@ -231,9 +255,44 @@ def _for_line(insns) -> str | None:
     return f"{path}:{line} {text}"
 
 
+FOR = re.compile(r"for \(int (\w+) = (\d+); \1 < ([^;]+); \+\+\1\)")
+KERNEL_CONSTANTS = re.compile(r"^\s*constexpr (?:int|bool) [^;]*;$", re.M)
+
+
+def trip_counts(nvrtc, incs, arch, traits: str, header: str, loops: list) -> list:
+    """Trip count of each `for (int i = A; i < BOUND; ++i)` in `loops` (source lines), BOUND
+    evaluated by NVRTC for these traits in the scope of the kernel's own constexprs (copied
+    from its header into a probe struct); None where the form or the evaluation fails."""
+    forms = [FOR.search(f or "") for f in loops]
+    if not traits or not any(forms):
+        return [None] * len(loops)
+    text = open(os.path.join(sm70_check.CSRC, "sm70attn", header)).read()
+    consts = "\n".join("static " + c.strip() for c in KERNEL_CONSTANTS.findall(text))
+    members = "".join(
+        f"static constexpr long long value_{i} = ({m.group(3)}) - {m.group(2)};\n"
+        for i, m in enumerate(forms)
+        if m
+    )
+    src = f'#include "sm70attn/{header}"\ntemplate <class KT> struct Probe {{\n{consts}\n{members}}};\n'
+    src += "".join(
+        f'extern "C" __device__ long long probe_{i} = Probe<{traits}>::value_{i};\n'
+        for i, m in enumerate(forms)
+        if m
+    )
+    try:
+        ptx = sm70_check.nvrtc_ptx(nvrtc, incs, arch, "probe.cu", src)
+    except RuntimeError:
+        return [None] * len(loops)
+    out = []
+    for i, m in enumerate(forms):
+        v = re.search(rf"probe_{i}\s*=\s*(-?\d+)", ptx) if m else None
+        out.append(int(v.group(1)) if v else None)
+    return out
+
+
 def disassemble(args):
     """Build one kernel for the arch (as the SM70 gate does) and disassemble it."""
-    (name, header, inst, _), arch, nvrtc, ptxas, incs, nvdisasm = args
+    (name, header, inst, traits), arch, nvrtc, ptxas, incs, nvdisasm = args
     src = f'#include "sm70attn/{header}"\n{inst}\n'
     fname = name.replace(" ", "_") + ".cu"
     ptx = sm70_check.nvrtc_ptx(nvrtc, incs, arch, fname, src, extra=("-lineinfo",))
@@ -246,20 +305,48 @@ def disassemble(args):
         sass = subprocess.run(cmd, check=True, capture_output=True, text=True)
     kernels = parse(sass.stdout)
     entry = max(kernels, key=lambda k: len(kernels[k]))  # the one entry (plus helpers, if any)
-    return name, analyse(kernels[entry])
+    r = analyse(kernels[entry])
+    inner = r.get("inner_loops", [])
+    trips = trip_counts(nvrtc, incs, arch, traits, header, [x["for"] for x in inner])
+    for x, n in zip(inner, trips, strict=True):
+        x["trips"] = None if n is None else -(-n // x["step"])  # trips of the unrolled loop
+    if "main_loop" in r and all(x["trips"] is not None for x in inner):
+        per = [(r["main_loop"], 1)] + [(x, x["trips"]) for x in inner]
+        r["per_tile"] = sum(m["total"] * n for m, n in per)
+        # check: the tile's HMMA, over all warps, do the tile's 2 x ROWS x N x D products
+        size = traits_sizes(nvrtc, incs, arch, traits)
+        if size:
+            macs = sum(m.get("hmma_macs", 0) * n for m, n in per) * size["WARPS"]
+            r["mac_check"] = macs / (2 * size["ROWS"] * size["N"] * size["D"])
+    return name, r
+
+
+def traits_sizes(nvrtc, incs, arch, traits):
+    """D, ROWS, N and WARPS of an AttnTraits type, read back from NVRTC's PTX."""
+    if not traits or "AttnTraits" not in traits:
+        return None
+    names = ("D", "ROWS", "N", "WARPS")
+    src = '#include "sm70attn/traits.h"\n' + "".join(
+        f'extern "C" __device__ int size_{n} = {traits}::{n};\n' for n in names
+    )
+    ptx = sm70_check.nvrtc_ptx(nvrtc, incs, arch, "sizes.cu", src)
+    return {n: int(re.search(rf"size_{n}\s*=\s*(\d+)", ptx).group(1)) for n in names}
 
 
 def table(results) -> str:
-    """Static counts per class; main_loop rows: one iteration outside its inner loops, whose
-    body sizes the last column lists (their trip counts multiply them)."""
+    """Static counts per class; main_loop rows: one iteration outside its inner loops; the last
+    column: the inner loops' body sizes x trip counts, and the instructions of one tile."""
     cols = ["total", *COLUMNS]
     head = f"{'kernel':<22} {'where':<10}" + "".join(f"{c:>8}" for c in cols) + "   inner"
     lines = [head, "-" * len(head)]
     for name, r in results:
         for where in ("kernel", "main_loop"):
             if where in r:
-                sizes = "+".join(str(x["total"]) for x in r.get("inner_loops", [])) or "-"
-                inner = f"   {sizes}" if where == "main_loop" else ""
+                loops = r.get("inner_loops", [])
+                sizes = "+".join(f"{x['total']}x{x.get('trips') or '?'}" for x in loops) or "-"
+                tile = r.get("per_tile", "?")
+                check = f" (HMMA/products {r['mac_check']:.2f})" if "mac_check" in r else ""
+                inner = f"   {sizes} = {tile} a tile{check}" if where == "main_loop" else ""
                 row = "".join(f"{r[where][c]:>8}" for c in cols)
                 lines.append(f"{name:<22} {where:<10}{row}{inner}")
     return "\n".join(lines)
