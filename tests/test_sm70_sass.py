@@ -31,7 +31,10 @@ def test_listing_loops_and_classes():
     kernels = sm70_sass.parse(LISTING)
     assert list(kernels) == ["_Z1kv"]
     insns = kernels["_Z1kv"]
-    assert sm70_sass.loops(insns) == [(0x20, 0x70)]
+    blocks, succ = sm70_sass.blocks(insns)
+    loops = sm70_sass.natural_loops(succ)
+    spans = [sorted(x[0] for b in body for x in blocks[b]) for body in loops.values()]
+    assert [(s[0], s[-1]) for s in spans] == [(0x20, 0x70)]  # the loop the back edge closes
     r = sm70_sass.analyse(insns)
     k, loop = r["kernel"], r["main_loop"]
     assert k["total"] == 10 and k["ldg"] == 1 and k["stg"] == 1 and k["tensor"] == 1

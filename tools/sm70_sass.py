@@ -183,17 +183,6 @@ def natural_loops(succ: dict[int, set[int]]) -> dict[int, set[int]]:
     return loops
 
 
-def loops(insns) -> list[tuple[int, int]]:
-    """(first, last) addresses of each natural loop's blocks (for reading; loops may hold
-    blocks the compiler laid out elsewhere)."""
-    bl, succ = blocks(insns)
-    out = []
-    for body in natural_loops(succ).values():
-        addrs = [x[0] for b in body for x in bl[b]]
-        out.append((min(addrs), max(addrs)))
-    return sorted(out)
-
-
 def analyse(insns) -> dict:
     """The kernel's mix; and for the main loop (the natural loop holding HMMA and a barrier
     with the fewest blocks, else the largest one holding a global load): the mix of one
@@ -259,6 +248,22 @@ FOR = re.compile(r"for \(int (\w+) = (\d+); \1 < ([^;]+); \+\+\1\)")
 KERNEL_CONSTANTS = re.compile(r"^\s*constexpr (?:int|bool) [^;]*;$", re.M)
 
 
+def constants(nvrtc, incs, arch, prelude: str, exprs: list) -> list:
+    """Integer constant expressions (None entries skipped) evaluated by NVRTC after `prelude`,
+    read back from the PTX; a list of None if the probe does not compile."""
+    src = prelude + "".join(
+        f'extern "C" __device__ long long probe_{i} = {e};\n' for i, e in enumerate(exprs) if e
+    )
+    try:
+        ptx = sm70_check.nvrtc_ptx(nvrtc, incs, arch, "probe.cu", src)
+    except RuntimeError:
+        return [None] * len(exprs)
+    found = [
+        re.search(rf"probe_{i}\s*=\s*(-?\d+)", ptx) if e else None for i, e in enumerate(exprs)
+    ]
+    return [int(m.group(1)) if m else None for m in found]
+
+
 def trip_counts(nvrtc, incs, arch, traits: str, header: str, loops: list) -> list:
     """Trip count of each `for (int i = A; i < BOUND; ++i)` in `loops` (source lines), BOUND
     evaluated by NVRTC for these traits in the scope of the kernel's own constexprs (copied
@@ -273,21 +278,9 @@ def trip_counts(nvrtc, incs, arch, traits: str, header: str, loops: list) -> lis
         for i, m in enumerate(forms)
         if m
     )
-    src = f'#include "sm70attn/{header}"\ntemplate <class KT> struct Probe {{\n{consts}\n{members}}};\n'
-    src += "".join(
-        f'extern "C" __device__ long long probe_{i} = Probe<{traits}>::value_{i};\n'
-        for i, m in enumerate(forms)
-        if m
-    )
-    try:
-        ptx = sm70_check.nvrtc_ptx(nvrtc, incs, arch, "probe.cu", src)
-    except RuntimeError:
-        return [None] * len(loops)
-    out = []
-    for i, m in enumerate(forms):
-        v = re.search(rf"probe_{i}\s*=\s*(-?\d+)", ptx) if m else None
-        out.append(int(v.group(1)) if v else None)
-    return out
+    prelude = f'#include "sm70attn/{header}"\ntemplate <class KT> struct Probe {{\n{consts}\n{members}}};\n'
+    exprs = [f"Probe<{traits}>::value_{i}" if m else None for i, m in enumerate(forms)]
+    return constants(nvrtc, incs, arch, prelude, exprs)
 
 
 def disassemble(args):
@@ -322,15 +315,13 @@ def disassemble(args):
 
 
 def traits_sizes(nvrtc, incs, arch, traits):
-    """D, ROWS, N and WARPS of an AttnTraits type, read back from NVRTC's PTX."""
+    """D, ROWS, N and WARPS of an AttnTraits type (None for other kernels)."""
     if not traits or "AttnTraits" not in traits:
         return None
     names = ("D", "ROWS", "N", "WARPS")
-    src = '#include "sm70attn/traits.h"\n' + "".join(
-        f'extern "C" __device__ int size_{n} = {traits}::{n};\n' for n in names
-    )
-    ptx = sm70_check.nvrtc_ptx(nvrtc, incs, arch, "sizes.cu", src)
-    return {n: int(re.search(rf"size_{n}\s*=\s*(\d+)", ptx).group(1)) for n in names}
+    prelude = '#include "sm70attn/traits.h"\n'
+    values = constants(nvrtc, incs, arch, prelude, [f"{traits}::{n}" for n in names])
+    return None if None in values else dict(zip(names, values, strict=True))
 
 
 def table(results) -> str:
