@@ -20,8 +20,8 @@ FP8 = torch.float8_e4m3fn
 KS, VS = 0.03, 0.02  # fixed scales, so that the stock path can quantize alike
 
 
-def tiny(vocab=256, hidden=256, heads=8, head_dim=128) -> Qwen3Config:
-    """A 2-layer Qwen3 config with 2 KV heads."""
+def tiny(vocab=256, hidden=256, heads=8, head_dim=128, **extra) -> Qwen3Config:
+    """A 2-layer Qwen3 config with 2 KV heads (`extra`: more Qwen3Config fields)."""
     return Qwen3Config(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -30,6 +30,7 @@ def tiny(vocab=256, hidden=256, heads=8, head_dim=128) -> Qwen3Config:
         num_key_value_heads=2,
         head_dim=head_dim,
         intermediate_size=2 * hidden,
+        **extra,
     )
 
 
@@ -51,11 +52,14 @@ def prompt(n=20, repeat=10, seed=0):
 class QuantizedDynamicCache(DynamicCache):
     """The stock cache holding what the paged cache holds: e4m3(x / scale) * scale."""
 
+    ks, vs = KS, VS
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         def q(x, s):
             return ((x.float() / s).clamp(-448, 448).to(FP8).float() * s).to(x.dtype)
 
-        return super().update(q(key_states, KS), q(value_states, VS), layer_idx, *args, **kwargs)
+        k, v = q(key_states, self.ks), q(value_states, self.vs)
+        return super().update(k, v, layer_idx, *args, **kwargs)
 
 
 def paged(model, **kw):

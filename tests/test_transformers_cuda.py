@@ -9,9 +9,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import test_transformers  # noqa: E402
 from oracle import rel_err  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
-from transformers import CompileConfig, DynamicCache  # noqa: E402
+from transformers import CompileConfig  # noqa: E402
 
 import torch_sm70attn as sa  # noqa: E402
 from torch_sm70attn.integrations import demo  # noqa: E402
@@ -19,7 +20,6 @@ from torch_sm70attn.integrations import transformers as hf  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 DEV = torch.device("cuda")
-FP8 = torch.float8_e4m3fn
 KS, VS = 0.05, 0.04
 CTX = 4096
 
@@ -36,14 +36,8 @@ def paged(model, batch=1):
     )
 
 
-class QuantizedDynamicCache(DynamicCache):
-    """The stock cache holding what the paged cache holds: e4m3(x / scale) * scale."""
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        def q(x, s):
-            return ((x.float() / s).clamp(-448, 448).to(FP8).float() * s).to(x.dtype)
-
-        return super().update(q(key_states, KS), q(value_states, VS), layer_idx, *args, **kwargs)
+class QuantizedDynamicCache(test_transformers.QuantizedDynamicCache):
+    ks, vs = KS, VS  # the scales of this file's paged caches
 
 
 def test_prompt_decode_verify_match_stock_sdpa_over_the_same_values(model, record):

@@ -14,7 +14,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers needs it for tp_plan
 
 from oracle import rel_err  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
+from test_transformers import tiny  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("tp_worker.py"))
 
@@ -25,16 +26,8 @@ def run(*cmd, cwd):
 
 
 def test_two_ranks_generate_the_tokens_of_one_process(tmp_path):
-    cfg = Qwen3Config(
-        vocab_size=256,
-        hidden_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=512,
-        initializer_range=0.2,  # decisive logits: no near-tie for fp16 partial sums to flip
-    )
+    # 12 query / 2 KV heads, decisive logits: no near-tie for fp16 partial sums to flip
+    cfg = tiny(heads=12, head_dim=64, initializer_range=0.2)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float16).save_pretrained(tmp_path / "ckpt")
     out = str(tmp_path / "out")
