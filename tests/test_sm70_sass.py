@@ -75,3 +75,35 @@ def test_trip_counts_evaluated_in_the_kernels_scope():
     traits = "sm70attn::AttnTraits<128, 4, 16>"
     got = sm70_sass.trip_counts(nvrtc, incs, "sm_70", traits, "paged_attention.cuh", loops)
     assert got == [8, 2, None]
+
+
+def test_sm90_loop_counter_and_dropped_instructions():
+    """sm_90 steps its counters with VIADD (no RZ operand), and a listing whose addresses jump
+    has lost instructions: nvdisasm 11.8 leaves out sm_90 opcodes it cannot decode, which made
+    the rolled QK^T loops' counters invisible (checks of 2.50 and 4.50 before)."""
+    loop = [
+        (0x10, "VIADD", "R77, R77, 0x4 ", False, None, None),
+        (0x20, "ISETP", "P0, PT, R77, 0x8, PT ", False, None, ".NE.AND"),
+        (0x30, "VIADD", "R85, R79, 0x20 ", False, None, None),  # not a counter: R79 + 32
+    ]
+    assert sm70_sass._unroll(loop) == 4
+    assert sm70_sass.CLASS_OF["VIADD"] == "int"
+    assert sm70_sass.missing(loop) == 0
+    assert sm70_sass.missing([loop[0], (0x40, "EXIT", "", False, None, None)]) == 2
+
+
+@pytest.mark.parametrize(
+    "op, mods, nbytes",
+    [
+        ("LDS", ".U.128", 512),
+        ("LDS", ".U.64", 256),
+        ("LDS", "", 128),
+        ("STS", ".U8", 32),
+        ("STS", ".128", 512),
+        ("LDSM", ".16.M88.4", 512),
+        ("LDSM", ".16.MT88.2", 256),
+        ("LDG", ".E.128", 0),
+    ],
+)
+def test_shared_memory_bytes_per_warp_instruction(op, mods, nbytes):
+    assert sm70_sass.smem_bytes(op, mods) == nbytes

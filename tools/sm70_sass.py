@@ -13,6 +13,12 @@ then disassembled with nvdisasm from CUDA 11.8: nvdisasm 13 refuses sm_70. Debia
 
     python tools/sm70_sass.py --nvdisasm x/usr/bin/nvdisasm [--kernels 'D256 MB4'] [--json f]
 
+For sm_90 (--arch sm_90, the H200's code, which the V100 model calibrates on) use a current
+nvdisasm: 11.8 silently leaves out sm_90 opcodes it does not know (VIADD, the loop counters'
+increment), which this tool detects from the gaps in the addresses. PyPI's wheel has one:
+
+    pip download --no-deps -d w nvidia-cuda-nvdisasm && unzip -q w/*.whl -d w   # w/nvidia/cu13/bin
+
 Loops are the natural loops of the control-flow graph (basic blocks from labels and branches,
 back edges to a dominating block). The main loop is the KV tile loop: the smallest loop that
 holds HMMA and a barrier (else the largest that holds a global load). Its row counts one
@@ -58,7 +64,8 @@ CLASSES = {
     "cvt": {"F2F", "F2I", "I2F", "I2I", "F2FP"},
     "int": {"IMAD", "IADD3", "LEA", "SHF", "LOP3", "ISETP", "IMNMX", "SEL", "PRMT", "IABS"}
     | {"POPC", "FLO", "BMSK", "SGXT", "IMUL", "IADD", "LOP", "SHL", "SHR", "BREV", "PLOP3"}
-    | {"UIADD3", "USHF", "ULEA", "UIMAD", "ULOP3", "UISETP", "USEL", "UPRMT"},  # sm_80+: uniform
+    | {"UIADD3", "USHF", "ULEA", "UIMAD", "ULOP3", "UISETP", "USEL", "UPRMT"}  # sm_80+: uniform
+    | {"VIADD", "VIMNMX", "VIADDMNMX"},  # sm_90
     "move": {"MOV", "S2R", "CS2R", "S2UR", "R2UR", "MOVM", "P2R", "R2P", "LDC", "ULDC", "UMOV"},
     "control": {"BRA", "BSSY", "BSYNC", "EXIT", "BAR", "WARPSYNC", "RET", "CALL", "BREAK", "NOP"}
     | {"BMOV", "YIELD", "SSY", "SYNC", "VOTE", "MEMBAR", "ERRBAR", "DEPBAR", "JMP", "BPT"}
@@ -107,13 +114,33 @@ def parse(sass: str) -> dict[str, list[tuple]]:
 HMMA_MACS = {"884": 256, "1688": 1024, "16816": 2048}
 
 
+def missing(insns) -> int:
+    """Instructions absent from a listing: sm_70+ instructions are 16 bytes, so every address
+    follows the one before by 16; nvdisasm leaves out opcodes it cannot decode, silently."""
+    addrs = sorted({x[0] for x in insns if x[1]})
+    return sum((b - a) // 16 - 1 for a, b in zip(addrs, addrs[1:], strict=False))
+
+
 def mix(insns) -> collections.Counter:
     c = collections.Counter(CLASS_OF.get(x[1], "other") for x in insns if x[1])
     c["total"] = sum(c[k] for k in COLUMNS)
-    for x in insns:  # hmma_macs: no column, for the product check
+    for x in insns:  # hmma_macs and smem_bytes: no column (the product check, the V100 model)
         if x[1] == "HMMA" and x[5]:
             c["hmma_macs"] += HMMA_MACS.get(x[5].split(".")[1], 0)
+        c["smem_bytes"] += smem_bytes(x[1], x[5] or "")
     return c
+
+
+def smem_bytes(op: str, mods: str) -> int:
+    """Shared-memory bytes one warp moves with an LDS/STS (32 lanes x the width: .128, .64,
+    .U8/.S8, .U16/.S16, else 4 bytes) or an LDSM (.M88.N / .MT88.N: N 8x8 fp16 matrices)."""
+    if op == "LDSM":
+        m = re.search(r"\.MT?88(?:\.(\d))?", mods)
+        return 128 * int(m.group(1) or 1) if m else 0
+    if op not in ("LDS", "STS"):
+        return 0
+    width = {"128": 16, "64": 8, "U8": 1, "S8": 1, "U16": 2, "S16": 2}
+    return 32 * next((width[p] for p in mods.split(".") if p in width), 4)
 
 
 def blocks(insns) -> tuple[list[list], dict[int, set[int]]]:
@@ -220,8 +247,13 @@ def _unroll(insns) -> int:
     with Rc compared by an ISETP of the loop), 1 if there is none (the compiler unrolls
     partially: D128's QK^T loop runs 2 trips of 4 slices)."""
     compared = {r for x in insns if x[1] == "ISETP" for r in re.findall(r"\bR\d+\b", x[2])}
-    for x in insns:
-        m = re.match(r"\s*(R\d+), \1, (0x[0-9a-f]+|\d+), RZ\s*$", x[2]) if x[1] == "IADD3" else None
+    for x in insns:  # sm_70: IADD3 Rc, Rc, STEP, RZ; sm_90: VIADD Rc, Rc, STEP
+        step = {"IADD3": r", RZ", "VIADD": ""}.get(x[1])
+        m = (
+            re.match(rf"\s*(R\d+), \1, (0x[0-9a-f]+|\d+){step}\s*$", x[2])
+            if step is not None
+            else None
+        )
         if m and m.group(1) in compared:
             return int(m.group(2), 0)
     return 1
@@ -284,21 +316,51 @@ def trip_counts(nvrtc, incs, arch, traits: str, header: str, loops: list) -> lis
 
 
 def disassemble(args):
-    """Build one kernel for the arch (as the SM70 gate does) and disassemble it."""
-    (name, header, inst, traits), arch, nvrtc, ptxas, incs, nvdisasm = args
+    """Build one kernel for the arch (as the SM70 gate does, or with `nvcc` and its flags as
+    the JIT build does when args carries them) and disassemble it; r["regs"] from ptxas."""
+    (name, header, inst, traits), arch, nvrtc, ptxas, incs, nvdisasm, *nvcc = args
     src = f'#include "sm70attn/{header}"\n{inst}\n'
     fname = name.replace(" ", "_") + ".cu"
-    ptx = sm70_check.nvrtc_ptx(nvrtc, incs, arch, fname, src, extra=("-lineinfo",))
     with tempfile.TemporaryDirectory() as tmp:
-        ptx_path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx_path, "w") as f:
-            f.write(ptx)
-        subprocess.run([ptxas, f"-arch={arch}", "-lineinfo", ptx_path, "-o", cubin], check=True)
-        cmd = [nvdisasm, "-c", "-g", cubin]
-        sass = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        cubin = os.path.join(tmp, "k.cubin")
+        if nvcc:  # [nvcc, flags]: the JIT build's compiler and flags
+            path = os.path.join(tmp, fname)
+            with open(path, "w") as f:
+                f.write(src)
+            cmd = [
+                nvcc[0],
+                f"-arch={arch}",
+                "-cubin",
+                *nvcc[1],
+                "-Xptxas",
+                "-v",
+                "-I",
+                sm70_check.CSRC,
+                path,
+            ]
+            built = subprocess.run([*cmd, "-o", cubin], check=True, capture_output=True, text=True)
+        else:
+            ptx = sm70_check.nvrtc_ptx(nvrtc, incs, arch, fname, src, extra=("-lineinfo",))
+            ptx_path = os.path.join(tmp, "k.ptx")
+            with open(ptx_path, "w") as f:
+                f.write(ptx)
+            cmd = [ptxas, f"-arch={arch}", "-v", "-lineinfo", ptx_path, "-o", cubin]
+            built = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        sass = subprocess.run(
+            [nvdisasm, "-c", "-g", cubin], check=True, capture_output=True, text=True
+        )
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", built.stderr)]
     kernels = parse(sass.stdout)
     entry = max(kernels, key=lambda k: len(kernels[k]))  # the one entry (plus helpers, if any)
+    gaps = missing(kernels[entry])
+    if gaps:
+        raise RuntimeError(
+            f"{name}: {nvdisasm} left out {gaps} instructions of the {arch} listing (nvdisasm "
+            "11.8 drops sm_90 opcodes it does not know, such as VIADD): for sm_90 use a newer "
+            "one (tools/sm70_sass.py's docstring)"
+        )
     r = analyse(kernels[entry])
+    r["regs"] = max(regs, default=None)
     inner = r.get("inner_loops", [])
     trips = trip_counts(nvrtc, incs, arch, traits, header, [x["for"] for x in inner])
     for x, n in zip(inner, trips, strict=True):
