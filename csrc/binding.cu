@@ -32,6 +32,10 @@ namespace {
 using sm70attn::i64;
 
 std::atomic<bool> g_validate{false};
+// Benchmark hook (set_plan_override): plan for this many SMs (0: the device's), and hold at most
+// as many CTAs per SM as this much shared memory per SM would (0: the device's own occupancy).
+// tools/bench.py sets both to run a V100's grids (80 SMs, 96 KB) on a bigger GPU.
+std::atomic<int> g_plan_sms{0}, g_plan_sm_smem{0};
 
 // Error messages are built with std::to_string, not iostreams: a toolchain whose libstdc++
 // differs from torch's (seen on one GPU machine) crashed formatting integers through
@@ -98,6 +102,37 @@ int ctas_per_sm(int device, int d, int mb, int vec) {
     c.store(n, std::memory_order_relaxed);
   }
   return n;
+}
+
+// The plan of a call on this device, with the occupancy it was sized for and the dynamic shared
+// memory to launch with (0: the kernel's own).
+struct CallPlan {
+  sm70attn::AttnPlan plan;
+  int num_sms = 0, ctas_per_sm = 0, smem_bytes = 0;
+};
+
+CallPlan plan_call(int device, i64 B, i64 H_q, i64 H_kv, i64 Q, i64 D, i64 capacity, int vec) {
+  CallPlan c;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&c.num_sms, cudaDevAttrMultiProcessorCount, device));
+  if (g_plan_sms.load() > 0) c.num_sms = g_plan_sms.load();
+  // Splits follow the kernel's occupancy on this device (a property of (D, mb, vec) and the GPU
+  // only: the plan stays independent of B and of seq_lens values).
+  const int mb = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D, capacity, c.num_sms).mb;
+  c.ctas_per_sm = ctas_per_sm(device, (int)D, mb, vec);
+  if (const int sm_smem = g_plan_sm_smem.load(); sm_smem > 0) {
+    // As many CTAs as sm_smem holds, and a padded launch so that this device holds no more.
+    const int own = sm70attn::attn_smem_bytes((int)D, mb, vec);
+    int dev_smem = 0, reserved = 0, optin = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&dev_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    const int want = std::max(1, std::min(c.ctas_per_sm, sm_smem / std::max(own, 1)));
+    c.smem_bytes = std::max(own, std::min(optin, dev_smem / want - reserved));
+    c.ctas_per_sm = std::max(1, sm70attn::attn_ctas_per_sm((int)D, mb, vec, c.smem_bytes));
+  }
+  c.plan = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D, capacity, c.num_sms,
+                                          c.ctas_per_sm);
+  return c;
 }
 
 // Host-side check of the values the kernel otherwise clamps/skips (validate mode only).
@@ -185,14 +220,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
       c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None)
     validate_lengths_and_pages(seq_lens, block_table, page_size, capacity, P);
 
-  int num_sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, query.get_device()));
-  // Splits follow the kernel's occupancy on this device (a property of (D, mb, vec) and the GPU
-  // only: the plan stays independent of B and of seq_lens values).
-  const int mb = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D, capacity, num_sms).mb;
-  const sm70attn::AttnPlan plan = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D,
-                                                                 capacity, num_sms,
-                                                                 ctas_per_sm(query.get_device(), (int)D, mb, vec));
+  const CallPlan call = plan_call(query.get_device(), B, H_q, H_kv, Q, D, capacity, vec);
+  const sm70attn::AttnPlan& plan = call.plan;
   TORCH_CHECK_VALUE(B * H_kv * plan.row_groups <= INT_MAX && B * H_q * Q <= INT_MAX, msg("batch B = ", B,
                     " is too large for the launch grid"));
   at::Tensor workspace;
@@ -222,7 +251,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   p.q_vec16 = ptr_aligned(query, 16) && strides_aligned(query, 3, 8);
   sm70attn::set_workspace(p, plan.workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr);
 
-  C10_CUDA_CHECK(sm70attn::launch_paged_attention(p, plan.mb, vec, c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(sm70attn::launch_paged_attention(p, plan.mb, vec, c10::cuda::getCurrentCUDAStream(), call.smem_bytes));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
@@ -303,4 +332,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("digest", [] { return std::string(SM70ATTN_STR(SM70ATTN_DIGEST)); }, "source digest this library was built from");
   m.def("set_validate", [](bool on) { g_validate.store(on); },
         "host-side checks of seq_lens and block_table in paged_attention (syncs; skipped while capturing)");
+  m.def("set_plan_override", [](int num_sms, int sm_smem_bytes) {
+          TORCH_CHECK_VALUE(num_sms >= 0 && sm_smem_bytes >= 0, "set_plan_override: values must be >= 0");
+          g_plan_sms.store(num_sms), g_plan_sm_smem.store(sm_smem_bytes);
+        },
+        "benchmarks only: plan paged_attention for num_sms SMs holding at most as many CTAs as "
+        "sm_smem_bytes of shared memory per SM would (0: the device's own)", pybind11::arg("num_sms") = 0,
+        pybind11::arg("sm_smem_bytes") = 0);
+  m.def("plan", [](int64_t B, int64_t H_q, int64_t H_kv, int64_t Q, int64_t D, int64_t capacity, int vec, int device) {
+          TORCH_CHECK_VALUE(B >= 1 && H_kv >= 1 && H_q % H_kv == 0 && Q >= 1 && Q <= 16 && capacity >= 0 &&
+                            (vec == 8 || vec == 16) && (D == 64 || D == 128 || D == 256) && H_q / H_kv <= 8,
+                            "plan: not a shape paged_attention takes");
+          const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+          const CallPlan c = plan_call(device, B, H_q, H_kv, Q, D, capacity, vec);
+          pybind11::dict d;
+          d["mb"] = c.plan.mb, d["row_groups"] = c.plan.row_groups, d["num_splits"] = c.plan.num_splits;
+          d["num_sms"] = c.num_sms, d["ctas_per_sm"] = c.ctas_per_sm;
+          d["smem_bytes"] = c.smem_bytes > 0 ? c.smem_bytes : sm70attn::attn_smem_bytes((int)D, c.plan.mb, vec);
+          return d;
+        },
+        "the launch plan paged_attention makes for a shape on a device (mb, row_groups, num_splits, num_sms, "
+        "ctas_per_sm, smem_bytes)", pybind11::arg("B"), pybind11::arg("H_q"), pybind11::arg("H_kv"),
+        pybind11::arg("Q"), pybind11::arg("D"), pybind11::arg("capacity"), pybind11::arg("vec") = 16,
+        pybind11::arg("device") = 0);
 }

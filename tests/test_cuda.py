@@ -124,6 +124,55 @@ def test_batched_equals_alone_and_run_to_run():
         assert torch.equal(op(alone)[0], out[b]), f"request {b} differs when batched"
 
 
+def test_plan_matches_the_models_replica_and_the_override_keeps_results_right(record):
+    """The binding's plan() against tools/v100_model.py's replica of plan.h and occupancy
+    rules (sm_90a registers of the committed SASS summary); set_plan_override(80, 96 KB) plans
+    and launches a V100's grid, whose results still meet the oracle, and 0, 0 restores it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import v100_model as vm
+
+    mod = ops.load_cuda_kernels()
+    sass = vm.load_sass()["sm_90"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [
+        (8, 6, 1, 8, 256, 131072),
+        (1, 6, 1, 1, 256, 32768),
+        (8, 32, 8, 1, 128, 131072),
+        (4, 32, 8, 8, 128, 8192),
+    ]
+    base = {}
+    for B, H_q, H_kv, Q, D, cap in shapes:
+        got = mod.plan(B, H_q, H_kv, Q, D, cap, 16, 0)
+        want = vm.plan(B, H_q, H_kv, Q, D, cap, sms, got["ctas_per_sm"])
+        assert {k: got[k] for k in want} == want and got["num_sms"] == sms
+        if torch.cuda.get_device_capability() == (9, 0):  # the H200's registers and 228 KB
+            k = sass[vm.kernel_name(D, got["mb"])]
+            occ = vm.occupancy(k["regs"], k["threads"], k["smem"], vm.GPUS["H200"])
+            assert got["ctas_per_sm"] == occ and got["smem_bytes"] == k["smem"], (got, occ)
+        base[(B, H_q, H_kv, Q, D, cap)] = got
+    p = make_problem(B=3, H_kv=1, G=6, Q=8, D=256, page_size=64, lens=[9000, 4000, 8], device=DEV)
+    try:
+        mod.set_plan_override(80, 98304)
+        for key, got in base.items():  # as many CTAs as 96 KB holds, no more than the GPU's
+            v = mod.plan(*key, 16, 0)
+            want = max(1, min(got["ctas_per_sm"], 98304 // got["smem_bytes"]))
+            assert (
+                v["num_sms"] == 80
+                and v["ctas_per_sm"] == want
+                and v["smem_bytes"] >= got["smem_bytes"]
+            ), (v, got)
+        check_vs_oracle(record, "V100-shaped grid", p)
+    finally:
+        mod.set_plan_override(0, 0)
+    for key, got in base.items():
+        assert mod.plan(*key, 16, 0) == got
+    with pytest.raises(ValueError, match=">= 0"):
+        mod.set_plan_override(-1, 0)
+
+
 # --- CUDA graphs and streams ----------------------------------------------------------
 def test_cuda_graph_replay_with_new_inputs(record):
     B, Q, ps = 4, 8, 1648

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -76,6 +77,15 @@ def parse_args(argv=None):
     ap.add_argument("--target-ms", type=float, default=2.0, help="min. duration of a sample")
     ap.add_argument("--copy-gb", type=float, default=None, help="copy-BW buffer, GiB (2)")
     ap.add_argument("--no-graphs", action="store_true", help="time eagerly, no CUDA graphs")
+    ap.add_argument(
+        "--sms", type=int, default=None, help="run on a green context of N SMs, planned for N"
+    )
+    ap.add_argument(
+        "--sm-smem", type=int, default=None, help="CTAs per SM as if an SM had this smem"
+    )
+    ap.add_argument(
+        "--v100-grid", action="store_true", help="a V100's grids: --sms 80 --sm-smem 98304"
+    )
     ap.add_argument("--max-seconds", type=float, default=480.0, help="skip cells after this")
     ap.add_argument("--l2-mb", type=float, default=None, help="L2 size (default: the GPU's)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, allocate nothing")
@@ -93,6 +103,8 @@ def parse_args(argv=None):
     a.peer_samples = min(a.peer_samples, a.samples)
     a.copy_gb = a.copy_gb or (1 / 16 if a.smoke else 2.0)
     a.device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if a.v100_grid:
+        a.sms, a.sm_smem = a.sms or 80, a.sm_smem or 98304
     return a
 
 
@@ -189,11 +201,11 @@ def loop(calls):
     return run
 
 
-def warm(calls, dev):
+def warm(calls, dev, side=None):
     """Every call once; on CUDA on a side stream, as torch's capture recipe asks."""
     if dev.type != "cuda":
         return loop(calls)()
-    side = torch.cuda.Stream(dev)
+    side = side or torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
         loop(calls)()
@@ -201,18 +213,49 @@ def warm(calls, dev):
     torch.cuda.synchronize(dev)
 
 
-def capture(calls, dev, pool, graphs):
-    """One runnable doing every call once: a CUDA graph when possible, else a Python loop."""
+def capture(calls, dev, pool, graphs, side=None):
+    """One runnable doing every call once: a CUDA graph when possible, else a Python loop.
+    side: the stream to capture on (a green context's; default: torch's own side stream)."""
     if dev.type != "cuda" or not graphs:
         return loop(calls), "eager"
     try:
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):  # all graphs of a cell share one memory pool
+        with torch.cuda.graph(g, pool=pool, stream=side):  # one memory pool for a cell's graphs
             loop(calls)()
         return g.replay, "cuda-graph"
     except Exception as e:  # not capturable: time it eagerly and say so
         torch.cuda.synchronize(dev)
         return loop(calls), f"eager (capture failed: {type(e).__name__}: {str(e)[:200]})"
+
+
+def green_stream(dev, num_sms):
+    """A stream of a CUDA green context holding num_sms SMs (torch.cuda.green_contexts; the
+    API moved between torch releases), and the context (keep it alive)."""
+    from torch.cuda.green_contexts import GreenContext
+
+    try:
+        ctx = GreenContext.create(num_sms=num_sms, device_id=dev.index or 0)
+    except TypeError:
+        ctx = GreenContext.create(num_sms, dev.index or 0)
+    if hasattr(ctx, "Stream"):
+        return ctx.Stream(), ctx
+    ctx.set_context()  # older API: streams made while it is current belong to it
+    return torch.cuda.Stream(dev), ctx
+
+
+def green_probe(dev, stream, clock):
+    """ms of one fp16 8192^3 matrix product (compute-bound: its time scales with the SMs) in a
+    CUDA graph captured and replayed on torch's stream and on `stream`."""
+    x = torch.randn(8192, 8192, device=dev, dtype=torch.half)
+    out = {}
+    for name, s in (("all SMs", torch.cuda.Stream(dev)), ("green context", stream)):
+        with torch.cuda.stream(s):
+            warm([lambda: torch.mm(x, x)], dev, s)
+            run, mode = capture([lambda: torch.mm(x, x)], dev, None, True, s)
+            run()
+            out[name] = statistics.median(clock(run, 3) for _ in range(5))
+    out["ratio"] = out["green context"] / out["all SMs"]
+    return out
 
 
 def rel_err(out, ref) -> float:
@@ -244,6 +287,10 @@ def run_cell(cell, a, dev, kv_buf, l2, clock):
     qs = [torch.randn(B, hkv * G, Q, D, generator=gen).half().to(dev) for _ in range(n_sets)]
     res = dict(cell=dict(zip(KEYS, cell, strict=True)), lens=lens, **p, **counts(cell, lens))
     res.update(route=sa.admit(qs[0], kc, tables[0]).reason, notes=[], impls={})
+    if dev.type == "cuda":  # the launch plan the op makes here (vec 16: the pool is aligned)
+        res["plan"] = sa.ops.load_cuda_kernels().plan(
+            B, hkv * G, hkv, Q, D, p["capacity"], 16, dev.index or 0
+        )
 
     def op(s):
         return sa.paged_attention(qs[s], kc, vc, tables[s], sl, k_scale=ks, v_scale=vs)
@@ -278,6 +325,8 @@ def run_cell(cell, a, dev, kv_buf, l2, clock):
             res["notes"].append(f"{name} failed: {type(e).__name__}: {str(e)[:200]}")
             del impls[name]
         res.setdefault("first_call_s", {})[name] = time.perf_counter() - t0
+    if "op" in outs:  # the bits of set 0's output: A/B runs of two trees compare them
+        res["op_out_sha1"] = hashlib.sha1(outs["op"].cpu().numpy().tobytes()).hexdigest()
     for name, out in outs.items():
         err = rel_err(out, outs["eager"]) if "eager" in outs else None
         res.setdefault("rel_err_vs_eager", {})[name] = err
@@ -295,10 +344,10 @@ def time_impls(impls, n_sets, a, dev, clock, res):
     pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
     calls = {name: [functools.partial(fn, s) for s in range(n_sets)] for name, fn in impls.items()}
     for c in calls.values():  # all warm-ups before any capture: peers' memory is needed once
-        warm(c, dev)
+        warm(c, dev, a.side_stream)
     runs = {}
     for name, c in calls.items():
-        run, mode = capture(c, dev, pool, not a.no_graphs)
+        run, mode = capture(c, dev, pool, not a.no_graphs, a.side_stream)
         run()
         reps = max(1, math.ceil(a.target_ms / max(clock(run), 1e-6)))
         if reps > 1:
@@ -513,6 +562,17 @@ def main(argv=None) -> int:
             f"CUDA library {out['env']['loaded_digest']} ready in {time.perf_counter() - t0:.1f} s",
             file=sys.stderr,
         )
+    a.side_stream = None
+    if dev.type == "cuda" and (a.sms or a.sm_smem):
+        sa.ops.load_cuda_kernels().set_plan_override(a.sms or 0, a.sm_smem or 0)
+        out["env"]["plan_override"] = dict(num_sms=a.sms or 0, sm_smem_bytes=a.sm_smem or 0)
+    if dev.type == "cuda" and a.sms:
+        a.side_stream, a.green_context = green_stream(dev, a.sms)  # (kept alive in a)
+        probe = green_probe(dev, a.side_stream, clock)
+        out["env"]["green_probe_ms"] = probe
+        print(f"green context of {a.sms} SMs: fp16 matmul {probe}", file=sys.stderr)
+        # everything below runs on the green context's stream
+        torch.cuda.set_stream(a.side_stream)
     out["copy"] = copy_bandwidth(dev, a.copy_gb, a.samples, clock)
     if dev.type == "cuda":
         torch.cuda.empty_cache()

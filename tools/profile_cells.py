@@ -2,6 +2,7 @@
 
 ncu --clock-control none -k regex:"paged|combine" python tools/profile_cells.py
 python tools/profile_cells.py --torch-profiler   # kernel times, attention vs combine
+python tools/profile_cells.py --spec 8,1,131072,8,4,128,16   # any cell: B,Q,ctx,H_kv,G,D,page
 """
 
 import argparse
@@ -16,28 +17,34 @@ from problems import make_problem, op_args  # noqa: E402
 
 import torch_sm70attn  # noqa: E402,F401
 
-CELLS = {  # name: (B, Q, ctx, H_kv)
-    "B1Q1-128K": (1, 1, 131072, 1),
-    "B8Q8-128K": (8, 8, 131072, 1),
+CELLS = {  # name: (B, Q, ctx, H_kv, G, D, page)
+    "B1Q1-128K": (1, 1, 131072, 1, 6, 256, 1648),
+    "B8Q8-128K": (8, 8, 131072, 1, 6, 256, 1648),
 }
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cells", nargs="*", default=list(CELLS))
+    ap.add_argument("--cells", nargs="*", default=None, help=f"of {list(CELLS)} (default: all)")
+    ap.add_argument(
+        "--spec", action="append", default=[], help="B,Q,ctx,H_kv,G,D,page (repeatable)"
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--torch-profiler", action="store_true")
     args = ap.parse_args()
+    cells = {
+        n: CELLS[n] for n in (args.cells if args.cells is not None else [] if args.spec else CELLS)
+    }
+    cells.update({s: tuple(int(x) for x in s.split(",")) for s in args.spec})
     probs = {}
-    for name in args.cells:
-        B, Q, ctx, H = CELLS[name]
+    for name, (B, Q, ctx, H, G, D, page) in cells.items():
         probs[name] = make_problem(
             B=B,
             H_kv=H,
-            G=6,
+            G=G,
             Q=Q,
-            D=256,
-            page_size=1648,
+            D=D,
+            page_size=page,
             lens=[ctx] * B,
             extra_pages=0,
             device="cuda",

@@ -15,21 +15,30 @@
 
 namespace sm70attn {
 
+// Shared memory of the (D, mb, vec) attention kernel (0: not built).
+inline int attn_smem_bytes(int d, int mb, int vec) {
+  int n = 0;
+  attn_switch(d, mb, vec, [&](auto kt) { n = decltype(kt)::SMEM_BYTES; });
+  return n;
+}
+
 // p.num_splits / p.row_groups from the plan. cudaErrorInvalidValue: (D, mb, vec) not built.
-// Launch errors are left for the caller's cudaGetLastError.
+// smem_bytes: dynamic shared memory per CTA, at least the kernel's (0: the kernel's); more only
+// caps how many CTAs share an SM (a benchmark's stand-in for a smaller SM). Launch errors are
+// left for the caller's cudaGetLastError.
 inline cudaError_t launch_paged_attention(const PagedAttnParams& params, int mb, int vec,
-                                          cudaStream_t stream) {
+                                          cudaStream_t stream, int smem_bytes = 0) {
   PagedAttnParams p = params;
   set_divisors(p);
   cudaError_t err = cudaErrorInvalidValue;
   attn_switch(p.D, mb, vec, [&](auto kt) {
     using KT = decltype(kt);
     auto kernel = paged_attention_kernel<KT>;
-    err = KT::SMEM_BYTES > 48 * 1024
-              ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, KT::SMEM_BYTES)
-              : cudaSuccess;
+    const int smem = smem_bytes > KT::SMEM_BYTES ? smem_bytes : KT::SMEM_BYTES;
+    err = smem > 48 * 1024 ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)
+                           : cudaSuccess;
     if (err != cudaSuccess) return;
-    kernel<<<dim3(p.B * p.H_kv * p.row_groups, p.num_splits), KT::THREADS, KT::SMEM_BYTES, stream>>>(p);
+    kernel<<<dim3(p.B * p.H_kv * p.row_groups, p.num_splits), KT::THREADS, smem, stream>>>(p);
   });
   if (err != cudaSuccess || p.num_splits == 1) return err;
   err = cudaErrorInvalidValue;
@@ -42,16 +51,18 @@ inline cudaError_t launch_paged_attention(const PagedAttnParams& params, int mb,
 }
 
 // Resident CTAs per SM of the (D, mb, vec) attention kernel on the current device (0: not built
-// or the query failed), for plan_paged_attention's ctas_per_sm. No work is enqueued (capture-safe).
-inline int attn_ctas_per_sm(int d, int mb, int vec) {
+// or the query failed), for plan_paged_attention's ctas_per_sm; smem_bytes as in
+// launch_paged_attention. No work is enqueued (capture-safe).
+inline int attn_ctas_per_sm(int d, int mb, int vec, int smem_bytes = 0) {
   int n = 0;
   attn_switch(d, mb, vec, [&](auto kt) {
     using KT = decltype(kt);
     auto kernel = paged_attention_kernel<KT>;
-    if (KT::SMEM_BYTES > 48 * 1024 &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, KT::SMEM_BYTES) != cudaSuccess)
+    const int smem = smem_bytes > KT::SMEM_BYTES ? smem_bytes : KT::SMEM_BYTES;
+    if (smem > 48 * 1024 &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
       return;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, KT::THREADS, KT::SMEM_BYTES) != cudaSuccess) n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, KT::THREADS, smem) != cudaSuccess) n = 0;
   });
   if (n == 0) (void)cudaGetLastError();  // leave no error behind for the caller's launch check
   return n;
