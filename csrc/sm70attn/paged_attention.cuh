@@ -190,9 +190,11 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     // Online softmax, fp32, RPP rows per warp pass (rows as set up before the loop), one
     // log2(LPR)-step shuffle reduction for all of them. Tokens on invalid pages are masked like
     // future ones; a padding row sees nothing, so its P and alpha come out 0 and its O stays 0.
-    // `moved`: whether any row of the warp's non-skipped passes has alpha != 1 (its max moved,
-    // or it has seen no token yet: alpha = 0, which includes padding rows that share a pass
-    // with real ones), so PV can skip rescaling O when none has.
+    // `moved`: whether any row of the warp's non-skipped passes that has seen a token before
+    // this tile has alpha != 1 (its max moved), so PV can skip rescaling O when none has. A row
+    // that has seen none (m_old = -inf: every padding row, and a real row before its first
+    // token) has O = 0 and alpha = 0, so skipping its rescale is bitwise the same; counting it
+    // rescaled every decode tile at G * Q < 16, where padding rows share a pass with real ones.
     {
       int ok[H][4];
 #pragma unroll
@@ -254,7 +256,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
         const float alpha = exp2f(m_old - m_use);
 #pragma unroll
         for (int i = gl; i < 16; i += LPR) As[lr * KT::SLD + i] = alpha;  // 16 copies: row i of a 16 x 16 tile
-        mv |= alpha != 1.f;
+        mv |= alpha != 1.f && m_old != neg_inf();
         if (REGS) {
           m_run[REGS ? k : 0] = m_new, l_run[REGS ? k : 0] = l_old * alpha + sum;
         } else if (gl == 0) {
@@ -270,8 +272,8 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     {
       // Rows of O scale by alpha: the alpha tile is loaded as an accumulator fragment, so its
       // elements line up with O's whatever the (opaque) fragment layout.
-      // Skipped when no warp of the block flagged a row: then every alpha is 1, or 0 on padding
-      // rows whose O is 0, so skipping is bitwise the same.
+      // Skipped when no warp of the block flagged a row: then every alpha is 1, or 0 on rows
+      // whose O is 0, so skipping is bitwise the same.
       if (any_byte<WN>(moved + mblk * WN)) {
         FragC a;
         wmma::load_matrix_sync(a, As + mblk * 16 * KT::SLD, KT::SLD, wmma::mem_row_major);
