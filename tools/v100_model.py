@@ -1,0 +1,621 @@
+#!/usr/bin/env python3
+"""A V100 performance model of paged_attention, calibrated on H200 measurements (issue 12).
+
+    python tools/v100_model.py [--markdown] [--json out.json]   # calibration, V100 predictions
+    python tools/v100_model.py --ingest RUNS_DIR NCU_CSV        # tools/model_runs.sh's output -> docs/data
+    python tools/v100_model.py --sass --nvdisasm70 N70 --nvdisasm90 N90 [--nvcc NVCC]
+        # docs/data/sass.json (N70: CUDA 11.8's nvdisasm, N90 a current one: tools/sm70_sass.py)
+
+Inputs, all in docs/data: the H200 runs of tools/model_runs.sh (the op over both geometries of
+issue 12 on the whole GPU, and the same cells with a V100's grids: 80 SMs of a green context,
+the plan for 80 SMs, as many CTAs per SM as 96 KB of shared memory holds); ncu's executed
+instructions of a few of those cells; and the SASS summary of every kernel (sm_70 as the SM70
+gate builds it, sm_90a as the H200's JIT build does).
+
+One call = the plan (a replica of plan.h, checked against every plan the H200 recorded), the
+CTAs of each split with their tiles, and for the kernel (D, MB) on the GPU's arch:
+- instructions one warp executes per tile and per CTA: static SASS counts (tile loop, inner
+  loops x trips; the rest of the kernel) times executed/static ratios that ncu measured on
+  the H200 for the same kernel, applied to sm_70 too (same source, same branches);
+- resident CTAs per SM from registers, shared memory and warps (the occupancy calculator's
+  rules; checked against the H200's launcher) and w = warps per scheduler;
+- a tile's cycles, the largest of: latency, instructions x (c_kernel + alpha w), the cycles
+  between two issues of one warp, which grow with the warps sharing a scheduler (fitted: the
+  kernels are latency-bound on the H200, ncu reads 7-10 cycles per issued instruction of a
+  warp); issue, w x the busiest pipe (one instruction a cycle; V100: FP32, INT32, HMMA.884 2
+  cycles a warp instruction; H200: FP32 1, INT32 2, HMMA.16816 6.8); smem, resident CTAs x
+  shared-memory bytes / 128 B a cycle;
+- a CTA = tiles x that + the rest's instructions x c_rest + a fixed latency; CTAs run in whole
+  rounds of the SMs' resident slots; dram = KV bytes and split partials over the bandwidth;
+- then the combine kernel (fixed time plus waves of its CTAs, fitted on ncu's durations) and a
+  launch gap.
+The V100 keeps every fitted term in cycles and takes its own SM count, clock, bandwidth, shared
+memory, occupancy, pipes and sm_70 SASS. Its 8x more tensor instructions (16 HMMA.884 a WMMA)
+cannot be calibrated on the H200: "hi" puts every one on the latency path, "lo" only the
+eighth that matches the H200's HMMA count (the rest at pipe rate), and the V100 time is quoted
+as that range. V100 figures are quoted only while every H200 cell is within 25%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "docs", "data")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# Hardware. H200: 132 SMs, the clock ncu read under the attention kernels (1.78-1.84 GHz), the
+# device-to-device copy bandwidth the calibration runs measured (read + write, 4.1-4.2 TB/s).
+# V100-SXM2: 80 SMs at its 1.53 GHz boost clock, 96 KB of shared memory per SM, 900 GB/s peak
+# HBM2 of which we take the fraction the H200's copy reaches of its 4.8 TB/s (86%): 780 GB/s.
+# That is an assumption, not a V100 measurement (published V100 microbenchmarks report about
+# 750-850 GB/s); the dram bound scales with it.
+GPUS = {
+    "H200": dict(arch="sm_90", sms=132, clock=1.80e9, bw=4.15e12, smem_sm=233472, reserved=1024),
+    "V100": dict(arch="sm_70", sms=80, clock=1.53e9, bw=780e9, smem_sm=98304, reserved=0),
+}
+SCHEDULERS, REGS_SM, WARPS_SM, CTAS_SM = 4, 65536, 64, 32
+SMEM_BW = 128  # shared-memory bytes per clock per SM (both)
+# Cycles one warp instruction holds its pipe, per scheduler (issue is one per cycle): V100 has
+# 16 FP32, 16 INT32 lanes and 4 SFUs per scheduler and does one HMMA.884 (256 MAC) per 2
+# cycles; the H200 32 FP32, 16 INT32 lanes, 4 SFUs and about 300 MAC per clock (WMMA measured:
+# 637 TFLOP/s, DESIGN.md, 1207 MAC/clk/SM at 2 GHz).
+GPUS["V100"]["pipe"] = dict(fp32=2, fp16=2, int=2, tensor=2, mufu=8, cvt=8)
+GPUS["H200"]["pipe"] = dict(fp32=1, fp16=1, int=2, tensor=2048 / (1207 / 4), mufu=8, cvt=8)
+MAX_SPLITS = 512
+
+
+# --- the kernel's shapes (csrc/sm70attn/traits.h) and plan (csrc/sm70attn/plan.h) ---------
+def max_row_blocks(d: int) -> int:
+    return 4 if d == 256 else 8
+
+
+def tile_tokens(d: int, mb: int) -> int:
+    return 64 if (d == 64 and mb <= 2) or (d == 256 and mb in (2, 3)) else 32
+
+
+def warps(d: int, mb: int) -> int:
+    for_cta = 4 if mb == 1 else 2 if mb <= 3 else 1
+    return mb * max(for_cta, d // 64)
+
+
+def plan(B, H_q, H_kv, Q, D, capacity, num_sms, ctas_per_sm=2) -> dict:
+    """plan_paged_attention of plan.h: mb, row_groups, num_splits."""
+    rows = H_q // H_kv * Q
+    need = -(-rows // 16)
+    rg = -(-need // max_row_blocks(D))
+    mb = -(-need // rg)
+    min_split = max(4 * tile_tokens(D, mb), 16 * min(rows, 16 * mb))
+    per_request = H_kv * rg
+    splits = -(-(max(ctas_per_sm, 2) * num_sms) // per_request)
+    splits = min(splits, max(1, capacity // min_split), MAX_SPLITS)
+    wave = max(1, max(ctas_per_sm, 1) * num_sms // per_request)
+    if splits > wave:
+        splits = splits // wave * wave
+    return dict(mb=mb, row_groups=rg, num_splits=max(1, splits))
+
+
+def occupancy(regs: int, threads: int, smem: int, gpu: dict) -> int:
+    """Resident CTAs per SM: registers (allocated per warp in units of 256), shared memory
+    (plus the per-CTA reservation), warps and CTAs per SM."""
+    w = -(-threads // 32)
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = (REGS_SM // per_warp) // w if per_warp else CTAS_SM
+    by_smem = gpu["smem_sm"] // (smem + gpu["reserved"]) if smem else CTAS_SM
+    return max(0, min(by_regs, by_smem, WARPS_SM // w, CTAS_SM))
+
+
+# --- SASS summary: docs/data/sass.json --------------------------------------------------------
+def build_sass(nvdisasm70: str, nvdisasm90: str, nvcc: str, jobs: int) -> dict:
+    """Per arch and VEC16 attention kernel (and combine): registers, threads, shared memory,
+    and the static instructions of one tile (main loop plus inner loops x trips) and of the
+    rest of the kernel, by class; from tools/sm70_check.py and tools/sm70_sass.py. sm_70 as the
+    SM70 gate builds it (NVRTC + ptxas 12.9); sm_90a as the H200's JIT build does (nvcc 13 with
+    its flags: the registers, so the occupancy, and the code are those of the measured binary)."""
+    import concurrent.futures
+
+    import sm70_check
+    import sm70_sass
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+    sys.path.insert(0, ROOT)
+    from torch_sm70attn._jit import CUDA_FLAGS
+
+    flags = [*dict.fromkeys([*CUDA_FLAGS, *COMMON_NVCC_FLAGS]), "-std=c++17"]
+    nvrtc, ptxas, incs = sm70_check.wheel_paths()
+    kernels = [k for k in sm70_check.kernel_list() if "VEC16" in k[0] or k[0].startswith("combine")]
+    out = {}
+    for arch, nvd, extra in (("sm_70", nvdisasm70, []), ("sm_90a", nvdisasm90, [nvcc, flags])):
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+            checks = list(
+                pool.map(
+                    sm70_check.check_kernel, [(k, "sm_70", nvrtc, ptxas, incs) for k in kernels]
+                )
+            )
+            sass = dict(
+                pool.map(
+                    sm70_sass.disassemble,
+                    [(k, arch, nvrtc, ptxas, incs, nvd, *extra) for k in kernels],
+                )
+            )
+        arch = arch.rstrip("a")
+        out[arch] = {}
+        for c in checks:  # threads and shared memory from the traits; registers of this build
+            r = sass[c["name"]]
+            res = dict(regs=r["regs"], threads=c["threads"], smem=c["smem_static"] + c["smem_dyn"])
+            if "main_loop" not in r:  # combine: no tile loop
+                out[arch][c["name"]] = dict(res, total=r["kernel"]["total"])
+                continue
+            per = [(r["main_loop"], 1)] + [(x, x["trips"]) for x in r["inner_loops"]]
+            classes = [*sm70_sass.COLUMNS, "smem_bytes"]
+            tile = {cl: sum(m.get(cl, 0) * n for m, n in per) for cl in classes}
+            inner = sum(x["total"] for x in r["inner_loops"])
+            out[arch][c["name"]] = dict(
+                res,
+                tile=sum(tile[cl] for cl in sm70_sass.COLUMNS),
+                tile_mix=tile,
+                rest=r["kernel"]["total"] - r["main_loop"]["total"] - inner,
+                check=round(r["mac_check"], 3) if "mac_check" in r else None,
+            )
+    return out
+
+
+def load_sass() -> dict:
+    return json.load(open(os.path.join(DATA, "sass.json")))
+
+
+def kernel_name(d: int, mb: int) -> str:
+    return f"attn D{d} MB{mb} VEC16"
+
+
+# --- the time of one call ---------------------------------------------------------------------
+# Fitted: per attention kernel "c <kernel>", and alpha, c_rest, lat_us, gap_us (fit); comb_us and
+# comb_wave_cyc (fit_combine).
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def splits_tiles(length: int, splits: int, n: int) -> tuple[int, ...]:
+    """Tiles of each split of one (request, KV head, row group): the kernel's chunking."""
+    chunk = cdiv(cdiv(length, splits), n) * n
+    out = []
+    for s in range(splits):
+        b = min(length, s * chunk)
+        e = min(length, b + chunk)
+        out.append(-(-(e - b) // n))
+    return tuple(out)
+
+
+def makespan(durations: list[float], copies: int, slots: int) -> float:
+    """The block scheduler's finish time for `copies` CTAs of each duration, by whole rounds:
+    CTAs start as slots free up, so the work takes about ceil(work / (slots x longest)) rounds
+    of the longest CTA (exact for equal CTAs; the plan rounds a request's splits to waves)."""
+    longest = max(durations, default=0.0)
+    if longest <= 0:
+        return 0.0
+    return math.ceil(copies * sum(durations) / (slots * longest) - 1e-6) * longest
+
+
+def combine_time(rows, D, splits, part_bytes, gpu, sass, prm, sms) -> float:
+    """The combine kernel: a fixed time plus its waves of CTAs (one per row and 32 columns),
+    each wave a fixed number of cycles (fitted on ncu's combine durations on the H200), and at
+    least the partials' bytes over the bandwidth."""
+    k = sass[gpu["arch"]][f"combine D{D}"]
+    occ = max(1, occupancy(k["regs"], k["threads"], k["smem"], gpu))
+    waves = math.ceil(rows * (D // 32) / (sms * occ))
+    t = prm["comb_us"] * 1e-6 + waves * prm["comb_wave_cyc"] / gpu["clock"]
+    return max(t, part_bytes / gpu["bw"])
+
+
+def predict(
+    cell: dict,
+    gpu_name: str,
+    sass: dict,
+    dyn: dict,
+    prm: dict,
+    num_sms=None,
+    ctas_per_sm=None,
+    hmma_latency="hi",
+) -> dict:
+    """Predicted ms of one call and its bounds. cell: B, Q, ctx, H_kv, G, D, page. num_sms and
+    ctas_per_sm override the GPU's (the V100-shaped grids on the H200)."""
+    gpu = GPUS[gpu_name]
+    arch = gpu["arch"]
+    B, Q, ctx, H_kv, G, D, page = (cell[k] for k in ("B", "Q", "ctx", "H_kv", "G", "D", "page"))
+    cap = -(-ctx // page) * page
+    sms = num_sms or gpu["sms"]
+    mb0 = plan(B, G * H_kv, H_kv, Q, D, cap, sms)["mb"]
+    k = sass[arch][kernel_name(D, mb0)]
+    occ = ctas_per_sm or occupancy(k["regs"], k["threads"], k["smem"], gpu)
+    pl = plan(B, G * H_kv, H_kv, Q, D, cap, sms, occ)
+    W, N, S = warps(D, pl["mb"]), tile_tokens(D, pl["mb"]), pl["num_splits"]
+    tiles = splits_tiles(ctx, S, N)
+    n_cta = B * H_kv * pl["row_groups"] * S
+    resident = min(occ, -(-n_cta // sms))
+    w = resident * W / SCHEDULERS  # warps per scheduler
+    name = kernel_name(D, pl["mb"])
+    if "c " + name not in prm:
+        raise KeyError(f"{name} is not calibrated: no H200 measurement in docs/data runs it")
+    # Executed instructions per warp: per tile and per CTA, static counts scaled by ncu (sm_90)
+    d = dyn.get(name, {"tile": 1.0, "rest": 1.0})
+    mix = {cl: n * d["tile"] for cl, n in k["tile_mix"].items()}
+    per_tile, per_cta, hmma = k["tile"] * d["tile"], k["rest"] * d["rest"], mix["tensor"]
+    # latency: cycles between two issues of one warp, c + alpha w (w warps per scheduler)
+    cyc = prm["c " + name] + prm["alpha"] * w
+    lat_insts = per_tile
+    if arch == "sm_70" and hmma_latency == "lo":
+        # one HMMA.16816 does the products of 8 HMMA.884: 7 in 8 off the latency path
+        lat_insts = per_tile - hmma * 7 / 8
+    # pipes: each scheduler issues one instruction a cycle, each class at its pipe's rate
+    pipe = max(
+        [per_tile] + [n * gpu["pipe"].get(cl, 1) for cl, n in mix.items() if cl != "smem_bytes"]
+    )
+    terms = dict(
+        latency=lat_insts * cyc, issue=w * pipe, smem=resident * W * mix["smem_bytes"] / SMEM_BW
+    )
+    bound = max(terms, key=terms.get)
+    tile_cyc = terms[bound]
+    lat = prm["lat_us"] * 1e-6 * gpu["clock"]
+    cta_cyc = [t * tile_cyc + per_cta * prm["c_rest"] + lat for t in tiles]
+    t_issue = makespan(cta_cyc, B * H_kv * pl["row_groups"], sms * resident) / gpu["clock"]
+    kv_bytes = 2 * B * ctx * H_kv * D
+    part_bytes = B * G * H_kv * Q * S * (D + 2) * 4 if S > 1 else 0
+    t_dram = (kv_bytes + part_bytes) / gpu["bw"]
+    t_attn = max(t_issue, t_dram)
+    t_comb = combine_time(B * G * H_kv * Q, D, S, part_bytes, gpu, sass, prm, sms) if S > 1 else 0.0
+    total = t_attn + t_comb + prm["gap_us"] * 1e-6
+    bounds = {bound: t_issue, "dram": t_dram}
+    limiter = max(bounds, key=bounds.get)
+    return dict(
+        ms=total * 1e3,
+        attn_ms=t_attn * 1e3,
+        combine_ms=t_comb * 1e3,
+        limiter=limiter,
+        **{f"{b}_ms": v * 1e3 for b, v in bounds.items()},
+        plan=dict(pl, ctas_per_sm=occ),
+        warps_per_scheduler=w,
+        pct_900=100 * kv_bytes / total / 900e9,
+    )
+
+
+# --- calibration ------------------------------------------------------------------------------
+def load_runs(names=("h200_cal_d256", "h200_cal_d128", "h200_v100grid_d256", "h200_v100grid_d128")):
+    """(cell, measured ms, recorded plan, grid) of the committed H200 runs."""
+    out = []
+    for n in names:
+        run = json.load(open(os.path.join(DATA, n + ".json")))
+        grid = "v100" if "v100grid" in n else "full"
+        for r in run["cells"]:
+            if "op" in r.get("impls", {}):
+                out.append((r["cell"], r["impls"]["op"]["median_ms"], r["plan"], grid))
+    return out
+
+
+def dynamic_scale(sass: dict) -> dict:
+    """Executed / static instructions per kernel on sm_90, from ncu's instruction counts of the
+    H200 (docs/data/h200_ncu.json): a least-squares fit of inst = a x warp-tiles + b x warp-CTAs
+    per kernel; a / static tile and b / static rest."""
+    ncu = json.load(open(os.path.join(DATA, "h200_ncu.json")))
+    rows: dict[str, list] = {}
+    for r in ncu:
+        if r["kernel"] != "attn":
+            continue
+        name = kernel_name(r["D"], r["mb"])
+        rows.setdefault(name, []).append(r)
+    out = {}
+    for name, rs in rows.items():
+        k = sass["sm_90"][name]
+        xs = [(r["warp_tiles"], r["warp_ctas"], r["inst"]) for r in rs]
+        # two unknowns: normal equations
+        s11 = sum(a * a for a, _, _ in xs)
+        s12 = sum(a * b for a, b, _ in xs)
+        s22 = sum(b * b for _, b, _ in xs)
+        y1 = sum(a * y for a, _, y in xs)
+        y2 = sum(b * y for _, b, y in xs)
+        det = s11 * s22 - s12 * s12
+        if abs(det) < 1e-9 * s11 * s22:  # one shape only: the rest at its static count
+            a, b = (y1 - s12 * k["rest"]) / s11, k["rest"]
+        else:
+            a, b = (y1 * s22 - y2 * s12) / det, (y2 * s11 - y1 * s12) / det
+        out[name] = dict(tile=a / k["tile"], rest=max(b, 0.0) / k["rest"], cells=len(rs))
+    return out
+
+
+def ingest_ncu(csv_path: str, runs_script: str) -> list[dict]:
+    """docs/data/h200_ncu.json from the CSV of tools/model_runs.sh's ncu stage: one row per
+    kernel launch, with the cell (the script's --spec list, in order; each cell's kernels run
+    twice, a warm-up and one repetition), the executed instructions and the work they did."""
+    import csv
+    import re
+
+    specs = re.findall(r"\b(\d+,\d+,\d+,\d+,\d+,\d+,\d+)\b", open(runs_script).read())
+    launches: dict[str, dict] = {}
+    with open(csv_path) as f:
+        for r in csv.DictReader(line for line in f if line.startswith('"')):
+            d = launches.setdefault(
+                r["ID"],
+                {"name": r["Kernel Name"], "grid": r["Grid Size"], "block": r["Block Size"]},
+            )
+            v = r["Metric Value"].replace(",", "")
+            d[r["Metric Name"]] = float(v) if re.fullmatch(r"[-+0-9.eE]+", v) else v
+    out, cell_i, cells = (
+        [],
+        -1,
+        [
+            dict(
+                zip(
+                    ("B", "Q", "ctx", "H_kv", "G", "D", "page"), map(int, s.split(",")), strict=True
+                )
+            )
+            for s in specs
+        ],
+    )
+    for d in launches.values():
+        gx, gy, _ = (int(x) for x in d["grid"].strip("()").split(","))
+        threads = int(d["block"].strip("()").split(",")[0])
+        row = dict(
+            inst=d["smsp__inst_executed.sum"],
+            time_us=d["gpu__time_duration.sum"] / 1e3,
+            cycles=d["sm__cycles_elapsed.avg"],
+            issue_pct=d["smsp__issue_active.avg.pct_of_peak_sustained_active"],
+            warps_pct=d["sm__warps_active.avg.pct_of_peak_sustained_active"],
+            dram_bytes=d["dram__bytes_read.sum"],
+            grid=[gx, gy],
+            threads=threads,
+        )
+        m = re.search(r"AttnTraits<(\d+), (\d+), (\d+)>", d["name"])
+        if m:
+            cell_i += 1
+            c = cells[cell_i % len(cells)]
+            D, mb = int(m.group(1)), int(m.group(2))
+            tiles = sum(splits_tiles(c["ctx"], gy, tile_tokens(D, mb))) * gx
+            row.update(
+                kernel="attn",
+                D=D,
+                mb=mb,
+                cell=c,
+                warp_tiles=tiles * threads // 32,
+                warp_ctas=gx * gy * threads // 32,
+            )
+        else:
+            row.update(kernel="combine", cell=cells[cell_i % len(cells)])
+        out.append(row)
+    return out
+
+
+def errors(prm, runs, sass, dyn):
+    out = []
+    for cell, ms, rec, grid in runs:
+        kw = dict(num_sms=80, ctas_per_sm=rec["ctas_per_sm"]) if grid == "v100" else {}
+        p = predict(cell, "H200", sass, dyn, prm, **kw)
+        out.append((p["ms"] / ms - 1, cell, ms, p, grid))
+    return out
+
+
+def fit(runs, sass, dyn) -> dict:
+    """Least squares on log(predicted / measured) over every H200 cell, by coordinate search
+    with halving steps."""
+    names = sorted({kernel_name(c["D"], rec["mb"]) for c, _, rec, _ in runs})
+    prm = dict(alpha=0.5, c_rest=1.0, lat_us=1.0, gap_us=1.0)
+    prm.update({"c " + n: 6.0 for n in names})
+    steps = dict(alpha=0.25, c_rest=0.5, lat_us=0.5, gap_us=0.5)
+    steps.update({"c " + n: 1.0 for n in names})
+    fixed = fit_combine(sass)
+
+    def loss(p):
+        return sum(math.log1p(e) ** 2 for e, *_ in errors(dict(p, **fixed), runs, sass, dyn))
+
+    best = loss(prm)
+
+    for _ in range(200):
+        moved = False
+        for k in prm:
+            for sgn in (1, -1):
+                q = dict(prm, **{k: prm[k] + sgn * steps[k]})
+                if q[k] < 0:
+                    continue
+                v = loss(q)
+                if v < best:
+                    prm, best, moved = q, v, True
+                    break
+        if not moved:
+            steps = {k: v / 2 for k, v in steps.items()}
+            if max(steps[k] / max(prm[k], steps[k], 1e-12) for k in prm) < 2e-3:
+                break
+    return dict(prm, **fixed)
+
+
+def fit_combine(sass) -> dict:
+    """comb_us and comb_wave_cyc: least squares of ncu's combine durations on the H200 (the
+    calibration cells' grids on 132 SMs) against fixed + waves x cycles."""
+    gpu = GPUS["H200"]
+    xs = []
+    for r in json.load(open(os.path.join(DATA, "h200_ncu.json"))):
+        if r["kernel"] == "combine":
+            c = r["cell"]
+            k = sass["sm_90"][f"combine D{c['D']}"]
+            occ = max(1, occupancy(k["regs"], k["threads"], k["smem"], gpu))
+            rows = c["B"] * c["G"] * c["H_kv"] * c["Q"]
+            xs.append((math.ceil(rows * (c["D"] // 32) / (gpu["sms"] * occ)), r["time_us"] * 1e-6))
+    n, sx, sy = len(xs), sum(x for x, _ in xs), sum(y for _, y in xs)
+    sxx, sxy = sum(x * x for x, _ in xs), sum(x * y for x, y in xs)
+    slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+    return dict(comb_us=(sy - slope * sx) / n * 1e6, comb_wave_cyc=slope * gpu["clock"])
+
+
+SEED_V100_MS = {  # the seed lineage's q8 kernel on a V100-SXM2, per layer call (DESIGN.md)
+    (4, 32768): 0.471,
+    (8, 32768): 0.924,
+    (4, 131072): 1.643,
+    (8, 131072): 3.265,
+}
+
+
+def cell_str(c: dict) -> str:
+    ctx = f"{c['ctx'] // 1024}K"
+    return f"B{c['B']} Q{c['Q']} {ctx} H_kv{c['H_kv']} G{c['G']} D{c['D']} p{c['page']}"
+
+
+def report(prm, runs, sass, dyn, markdown=False) -> str:
+    """The calibration table (H200 measured against modelled, both grids) and the V100
+    predictions of the same cells, one row per cell."""
+    by = {}
+    for e, cell, ms, p, grid in errors(prm, runs, sass, dyn):
+        by.setdefault(tuple(cell.values()), {})[grid] = (ms, p, e)
+    rows = []
+    head = [
+        "cell",
+        "H200 ms",
+        "model",
+        "err",
+        "80-SM grid ms",
+        "model",
+        "err",
+        "V100 ms (lo-hi)",
+        "% of 900 GB/s",
+        "V100 limiter",
+        "V100 plan (splits, CTAs/SM)",
+    ]
+    for key, g in by.items():
+        cell = dict(zip(("B", "Q", "ctx", "H_kv", "G", "D", "page"), key, strict=True))
+        lo = predict(cell, "V100", sass, dyn, prm, hmma_latency="lo")
+        hi = predict(cell, "V100", sass, dyn, prm, hmma_latency="hi")
+        f, v = g.get("full"), g.get("v100")
+        row = [cell_str(cell)]
+        for x in (f, v):
+            row += [f"{x[0]:.4f}", f"{x[1]['ms']:.4f}", f"{100 * x[2]:+.0f}%"] if x else ["-"] * 3
+        row += [
+            f"{lo['ms']:.3f}-{hi['ms']:.3f}",
+            f"{hi['pct_900']:.0f}-{lo['pct_900']:.0f}",
+            lo["limiter"] + ("" if lo["limiter"] == hi["limiter"] else "/" + hi["limiter"]),
+            f"{hi['plan']['num_splits']}, {hi['plan']['ctas_per_sm']}",
+        ]
+        rows.append(row)
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+    else:
+        lines = ["  ".join(head)] + ["  ".join(r) for r in rows]
+    seeds = []
+    for (B, ctx), ms in SEED_V100_MS.items():
+        cell = dict(B=B, Q=8, ctx=ctx, H_kv=1, G=6, D=256, page=1648)
+        lo = predict(cell, "V100", sass, dyn, prm, hmma_latency="lo")
+        hi = predict(cell, "V100", sass, dyn, prm, hmma_latency="hi")
+        seeds.append(
+            f"| {cell_str(cell)} | {ms:.3f} | {lo['ms']:.3f}-{hi['ms']:.3f} | "
+            f"{ms / hi['ms']:.1f}-{ms / lo['ms']:.1f}x |"
+        )
+    lines += [
+        "",
+        "| seed cell | seed V100 ms (measured) | ours, V100 ms (predicted) | seed / ours |",
+        "|---|---|---|---|",
+        *seeds,
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sass", action="store_true", help="rebuild docs/data/sass.json")
+    ap.add_argument("--nvdisasm70", default="nvdisasm", help="CUDA 11.8's (sm_70)")
+    ap.add_argument("--nvdisasm90", default="nvdisasm", help="a current one (sm_90)")
+    ap.add_argument("--nvcc", default="nvcc", help="the H200 build's nvcc (13.0), for sm_90a")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--markdown", action="store_true", help="tables as markdown")
+    ap.add_argument(
+        "--json", default=None, help="parameters, errors and every V100 prediction here"
+    )
+    ap.add_argument(
+        "--ingest",
+        nargs=2,
+        metavar=("RUNS_DIR", "NCU_CSV"),
+        help="copy a model_runs.sh output into docs/data",
+    )
+    a = ap.parse_args()
+    path = os.path.join(DATA, "sass.json")
+    if a.ingest:
+        import shutil
+
+        os.makedirs(DATA, exist_ok=True)
+        for tag, dst in (("cal", "h200_cal"), ("v100", "h200_v100grid")):
+            for g in ("d256", "d128"):
+                shutil.copy(
+                    os.path.join(a.ingest[0], f"{tag}_{g}.json"),
+                    os.path.join(DATA, f"{dst}_{g}.json"),
+                )
+        rows = ingest_ncu(a.ingest[1], os.path.join(ROOT, "tools", "model_runs.sh"))
+        with open(os.path.join(DATA, "h200_ncu.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {DATA}: {len(rows)} ncu launches")
+        return 0
+    if a.sass:
+        with open(path, "w") as f:
+            json.dump(
+                build_sass(a.nvdisasm70, a.nvdisasm90, a.nvcc, a.jobs), f, indent=1, sort_keys=True
+            )
+        print(f"wrote {path}")
+        return 0
+    sass = load_sass()
+    dyn = dynamic_scale(sass)
+    runs = load_runs()
+    print("fitting on", len(runs), "H200 cells...", file=sys.stderr)
+    prm = fit(runs, sass, dyn)
+    errs = [e for e, *_ in errors(prm, runs, sass, dyn)]
+    print("fitted parameters:", ", ".join(f"{k} {v:.4g}" for k, v in prm.items()))
+    print(
+        "executed / static instructions (sm_90, ncu):",
+        ", ".join(f"{k[5:-6]} tile {v['tile']:.3f} rest {v['rest']:.3f}" for k, v in dyn.items()),
+    )
+    print(f"H200, both grids: {len(errs)} cells, |error| {summary(errs)}")
+    # Held out: fit on the whole-GPU grid alone, predict the V100-shaped grid (80 SMs, the
+    # V100's occupancy and plan): the transfer the V100 figures rely on.
+    full, v100 = [r for r in runs if r[3] == "full"], [r for r in runs if r[3] == "v100"]
+    held = [e for e, *_ in errors(fit(full, sass, dyn), v100, sass, dyn)]
+    print(
+        f"held out: fitted on the {len(full)} whole-GPU cells, the {len(v100)} V100-shaped-grid "
+        f"cells |error| {summary(held)}"
+    )
+    worst = max(map(abs, errs + held))
+    if worst > 0.25:
+        print(
+            f"the model misses an H200 cell by {100 * worst:.0f}% (> 25%): no V100 figure is quoted"
+        )
+        return 1
+    print()
+    print(report(prm, runs, sass, dyn, a.markdown))
+    if a.json:
+        cells = {tuple(c.values()): c for c, *_ in runs}.values()
+        out = dict(
+            params=prm,
+            dynamic=dyn,
+            h200_errors=errs,
+            held_out_errors=held,
+            v100=[
+                dict(
+                    cell=c,
+                    lo=predict(c, "V100", sass, dyn, prm, hmma_latency="lo"),
+                    hi=predict(c, "V100", sass, dyn, prm, hmma_latency="hi"),
+                )
+                for c in cells
+            ],
+        )
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+def summary(errs: list[float]) -> str:
+    a = sorted(map(abs, errs))
+    return f"median {100 * a[len(a) // 2]:.1f}%, 90th percentile {100 * a[int(0.9 * len(a))]:.1f}%, worst {100 * a[-1]:.1f}%"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
