@@ -114,7 +114,8 @@ struct CallPlan {
 CallPlan plan_call(int device, i64 B, i64 H_q, i64 H_kv, i64 Q, i64 D, i64 capacity, int vec) {
   CallPlan c;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&c.num_sms, cudaDevAttrMultiProcessorCount, device));
-  if (g_plan_sms.load() > 0) c.num_sms = g_plan_sms.load();
+  // (set the override while no other thread launches: the two values are read separately)
+  if (const int sms = g_plan_sms.load(); sms > 0) c.num_sms = sms;
   // Splits follow the kernel's occupancy on this device (a property of (D, mb, vec) and the GPU
   // only: the plan stays independent of B and of seq_lens values).
   const int mb = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D, capacity, c.num_sms).mb;
@@ -122,6 +123,8 @@ CallPlan plan_call(int device, i64 B, i64 H_q, i64 H_kv, i64 Q, i64 D, i64 capac
   if (const int sm_smem = g_plan_sm_smem.load(); sm_smem > 0) {
     // As many CTAs as sm_smem holds, and a padded launch so that this device holds no more.
     const int own = sm70attn::attn_smem_bytes((int)D, mb, vec);
+    TORCH_CHECK_VALUE(sm_smem >= own, msg("set_plan_override: sm_smem_bytes = ", sm_smem,
+                      " holds no CTA of the D = ", D, " kernel (", own, " bytes of shared memory); a V100 has 98304"));
     int dev_smem = 0, reserved = 0, optin = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&dev_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
@@ -340,8 +343,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sm_smem_bytes of shared memory per SM would (0: the device's own)", pybind11::arg("num_sms") = 0,
         pybind11::arg("sm_smem_bytes") = 0);
   m.def("plan", [](int64_t B, int64_t H_q, int64_t H_kv, int64_t Q, int64_t D, int64_t capacity, int vec, int device) {
-          TORCH_CHECK_VALUE(B >= 1 && H_kv >= 1 && H_q % H_kv == 0 && Q >= 1 && Q <= 16 && capacity >= 0 &&
-                            (vec == 8 || vec == 16) && (D == 64 || D == 128 || D == 256) && H_q / H_kv <= 8,
+          TORCH_CHECK_VALUE(B >= 1 && H_kv >= 1 && H_q >= H_kv && H_q % H_kv == 0 && H_q / H_kv <= 8 && Q >= 1 &&
+                            Q <= 16 && capacity >= 0 && capacity <= (int64_t)INT_MAX - 1024 && (vec == 8 || vec == 16) &&
+                            (D == 64 || D == 128 || D == 256),
                             "plan: not a shape paged_attention takes");
           const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
           const CallPlan c = plan_call(device, B, H_q, H_kv, Q, D, capacity, vec);

@@ -171,6 +171,14 @@ def test_plan_matches_the_models_replica_and_the_override_keeps_results_right(re
         assert mod.plan(*key, 16, 0) == got
     with pytest.raises(ValueError, match=">= 0"):
         mod.set_plan_override(-1, 0)
+    try:  # shared memory given in KB by mistake: a clear error, not one CTA per SM
+        mod.set_plan_override(80, 96)
+        with pytest.raises(ValueError, match="holds no CTA"):
+            mod.plan(*next(iter(base)), 16, 0)
+    finally:
+        mod.set_plan_override(0, 0)
+    with pytest.raises(ValueError, match="not a shape"):
+        mod.plan(1, 0, 1, 1, 128, 4096, 16, 0)  # H_q = 0
 
 
 # --- CUDA graphs and streams ----------------------------------------------------------

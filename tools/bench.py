@@ -239,7 +239,7 @@ def green_stream(dev, num_sms):
         ctx = GreenContext.create(num_sms, dev.index or 0)
     if hasattr(ctx, "Stream"):
         return ctx.Stream(), ctx
-    ctx.set_context()  # older API: streams made while it is current belong to it
+    (getattr(ctx, "set_context", None) or ctx.make_current)()  # older API: streams made now are its
     return torch.cuda.Stream(dev), ctx
 
 

@@ -254,7 +254,7 @@ def _unroll(insns) -> int:
             if step is not None
             else None
         )
-        if m and m.group(1) in compared:
+        if m and m.group(1) in compared and 0 < int(m.group(2), 0) <= 64:  # not a count-down
             return int(m.group(2), 0)
     return 1
 
