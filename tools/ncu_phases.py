@@ -39,6 +39,9 @@ from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # noqa: E402
 
 from torch_sm70attn._jit import CUDA_FLAGS  # noqa: E402
 
+# nvcc's flags in the JIT build (ours and torch's), for rebuilding its kernels to read their SASS
+JIT_NVCC_FLAGS = [*dict.fromkeys([*CUDA_FLAGS, *COMMON_NVCC_FLAGS]), "-std=c++17"]
+
 KERNEL = ROOT / "csrc" / "sm70attn" / "paged_attention.cuh"
 # (phase, comment that opens it in paged_attention.cuh), in source order
 ANCHORS = [
@@ -158,13 +161,12 @@ def disassemble(traits, arch: str, tools: Path | None, work: Path) -> str:
     )
     exe = lambda n: str(tools / n) if tools else (shutil.which(n) or n)  # noqa: E731
     cubin = src.with_suffix(".cubin")
-    flags = [*dict.fromkeys([*CUDA_FLAGS, *COMMON_NVCC_FLAGS]), "-std=c++17"]  # the JIT build's
     subprocess.run(
         [
             exe("nvcc"),
             f"-arch={arch}",
             "-cubin",
-            *flags,
+            *JIT_NVCC_FLAGS,
             "-I",
             str(ROOT / "csrc"),
             str(src),

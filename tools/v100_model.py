@@ -55,22 +55,30 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # HBM2 of which we take the fraction the H200's copy reaches of its 4.8 TB/s (86%): 780 GB/s.
 # That is an assumption, not a V100 measurement (published V100 microbenchmarks report about
 # 750-850 GB/s); the dram bound scales with it.
-GPUS = {
-    "H200": dict(arch="sm_90", sms=132, clock=1.80e9, bw=4.15e12, smem_sm=233472, reserved=1024),
-    "V100": dict(arch="sm_70", sms=80, clock=1.53e9, bw=780e9, smem_sm=98304, reserved=0),
-}
-SCHEDULERS, REGS_SM, WARPS_SM, CTAS_SM = 4, 65536, 64, 32
-SMEM_BW = 128  # shared-memory bytes per clock per SM (both)
-# Cycles one warp instruction holds its pipe, per scheduler (issue is one per cycle): V100 has
-# 16 FP32, 16 INT32 lanes and 4 SFUs per scheduler and does one HMMA.884 (256 MAC) per 2
+# Pipes: cycles one warp instruction holds its pipe, per scheduler (issue is one per cycle): V100
+# has 16 FP32, 16 INT32 lanes and 4 SFUs per scheduler and does one HMMA.884 (256 MAC) per 2
 # cycles; the H200 32 FP32, 16 INT32 lanes, 4 SFUs and about 300 MAC per clock (WMMA measured:
 # 637 TFLOP/s, DESIGN.md, 1207 MAC/clk/SM at 2 GHz).
-GPUS["V100"]["pipe"] = dict(fp32=2, fp16=2, int=2, tensor=2, mufu=8, cvt=8)
-GPUS["H200"]["pipe"] = dict(fp32=1, fp16=1, int=2, tensor=2048 / (1207 / 4), mufu=8, cvt=8)
+GPUS = {
+    "H200": dict(
+        arch="sm_90", sms=132, clock=1.80e9, bw=4.15e12, smem_sm=233472, reserved=1024,
+        pipe=dict(fp32=1, fp16=1, int=2, tensor=2048 / (1207 / 4), mufu=8, cvt=8),
+    ),
+    "V100": dict(
+        arch="sm_70", sms=80, clock=1.53e9, bw=780e9, smem_sm=98304, reserved=0,
+        pipe=dict(fp32=2, fp16=2, int=2, tensor=2, mufu=8, cvt=8),
+    ),
+}  # fmt: skip
+SCHEDULERS, REGS_SM, WARPS_SM, CTAS_SM = 4, 65536, 64, 32
+SMEM_BW = 128  # shared-memory bytes per clock per SM (both)
 MAX_SPLITS = 512
 
 
 # --- the kernel's shapes (csrc/sm70attn/traits.h) and plan (csrc/sm70attn/plan.h) ---------
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def max_row_blocks(d: int) -> int:
     return 4 if d == 256 else 8
 
@@ -87,12 +95,12 @@ def warps(d: int, mb: int) -> int:
 def plan(B, H_q, H_kv, Q, D, capacity, num_sms, ctas_per_sm=2) -> dict:
     """plan_paged_attention of plan.h: mb, row_groups, num_splits."""
     rows = H_q // H_kv * Q
-    need = -(-rows // 16)
-    rg = -(-need // max_row_blocks(D))
-    mb = -(-need // rg)
+    need = cdiv(rows, 16)
+    rg = cdiv(need, max_row_blocks(D))
+    mb = cdiv(need, rg)
     min_split = max(4 * tile_tokens(D, mb), 16 * min(rows, 16 * mb))
     per_request = H_kv * rg
-    splits = -(-(max(ctas_per_sm, 2) * num_sms) // per_request)
+    splits = cdiv(max(ctas_per_sm, 2) * num_sms, per_request)
     splits = min(splits, max(1, capacity // min_split), MAX_SPLITS)
     wave = max(1, max(ctas_per_sm, 1) * num_sms // per_request)
     if splits > wave:
@@ -103,8 +111,8 @@ def plan(B, H_q, H_kv, Q, D, capacity, num_sms, ctas_per_sm=2) -> dict:
 def occupancy(regs: int, threads: int, smem: int, gpu: dict) -> int:
     """Resident CTAs per SM: registers (allocated per warp in units of 256), shared memory
     (plus the per-CTA reservation), warps and CTAs per SM."""
-    w = -(-threads // 32)
-    per_warp = -(-regs * 32 // 256) * 256
+    w = cdiv(threads, 32)
+    per_warp = cdiv(regs * 32, 256) * 256
     by_regs = (REGS_SM // per_warp) // w if per_warp else CTAS_SM
     by_smem = gpu["smem_sm"] // (smem + gpu["reserved"]) if smem else CTAS_SM
     return max(0, min(by_regs, by_smem, WARPS_SM // w, CTAS_SM))
@@ -121,22 +129,20 @@ def build_sass(nvdisasm70: str, nvdisasm90: str, nvcc: str, jobs: int) -> dict:
 
     import sm70_check
     import sm70_sass
-    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+    from ncu_phases import JIT_NVCC_FLAGS
 
-    sys.path.insert(0, ROOT)
-    from torch_sm70attn._jit import CUDA_FLAGS
-
-    flags = [*dict.fromkeys([*CUDA_FLAGS, *COMMON_NVCC_FLAGS]), "-std=c++17"]
     nvrtc, ptxas, incs = sm70_check.wheel_paths()
     kernels = [k for k in sm70_check.kernel_list() if "VEC16" in k[0] or k[0].startswith("combine")]
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:  # threads, shared memory
+        checks = list(
+            pool.map(sm70_check.check_kernel, [(k, "sm_70", nvrtc, ptxas, incs) for k in kernels])
+        )
     out = {}
-    for arch, nvd, extra in (("sm_70", nvdisasm70, []), ("sm_90a", nvdisasm90, [nvcc, flags])):
+    for arch, nvd, extra in (
+        ("sm_70", nvdisasm70, []),
+        ("sm_90a", nvdisasm90, [nvcc, JIT_NVCC_FLAGS]),
+    ):
         with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
-            checks = list(
-                pool.map(
-                    sm70_check.check_kernel, [(k, "sm_70", nvrtc, ptxas, incs) for k in kernels]
-                )
-            )
             sass = dict(
                 pool.map(
                     sm70_sass.disassemble,
@@ -178,10 +184,6 @@ def kernel_name(d: int, mb: int) -> str:
 # comb_wave_cyc (fit_combine).
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @functools.cache
 def splits_tiles(length: int, splits: int, n: int) -> tuple[int, ...]:
     """Tiles of each split of one (request, KV head, row group): the kernel's chunking."""
@@ -190,7 +192,7 @@ def splits_tiles(length: int, splits: int, n: int) -> tuple[int, ...]:
     for s in range(splits):
         b = min(length, s * chunk)
         e = min(length, b + chunk)
-        out.append(-(-(e - b) // n))
+        out.append(cdiv(e - b, n))
     return tuple(out)
 
 
@@ -230,7 +232,7 @@ def predict(
     gpu = GPUS[gpu_name]
     arch = gpu["arch"]
     B, Q, ctx, H_kv, G, D, page = (cell[k] for k in ("B", "Q", "ctx", "H_kv", "G", "D", "page"))
-    cap = -(-ctx // page) * page
+    cap = cdiv(ctx, page) * page
     sms = num_sms or gpu["sms"]
     mb0 = plan(B, G * H_kv, H_kv, Q, D, cap, sms)["mb"]
     k = sass[arch][kernel_name(D, mb0)]
@@ -239,7 +241,7 @@ def predict(
     W, N, S = warps(D, pl["mb"]), tile_tokens(D, pl["mb"]), pl["num_splits"]
     tiles = splits_tiles(ctx, S, N)
     n_cta = B * H_kv * pl["row_groups"] * S
-    resident = min(occ, -(-n_cta // sms))
+    resident = min(occ, cdiv(n_cta, sms))
     w = resident * W / SCHEDULERS  # warps per scheduler
     name = kernel_name(D, pl["mb"])
     if "c " + name not in prm:
