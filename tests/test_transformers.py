@@ -215,7 +215,8 @@ def test_cli_demo_runs_the_model():
 def test_cache_pages_slots_and_stored_values():
     """update() gives request b of B the pages b * W .. (b + 1) * W - 1 (W = pages / B), writes
     e4m3(x / scale) at page * page_size + offset, and gives the attention its table, lengths
-    and scales; crop lets the next write reuse the slots of rejected tokens."""
+    and scales (the whole table, and the pages in use for the prefill route); crop lets the next
+    write reuse the slots of rejected tokens."""
     cfg = tiny(vocab=64, hidden=128, heads=4, head_dim=64)
     cache = hf.PagedE4M3Cache(cfg, max_tokens=96, max_batch_size=2, page_size=16, k_scale=0.5)
     g = torch.Generator().manual_seed(0)
@@ -230,20 +231,21 @@ def test_cache_pages_slots_and_stored_values():
         return kv, got
 
     (k, _), got = step(20)  # a prompt of 20 tokens: 6 pages, 3 per request, 2 of them in use
-    kc, vc, table, lens, ks, vs, fresh = got[1]
-    assert fresh and table.tolist() == [[0, 1], [3, 4]] and lens.tolist() == [20, 20]
+    kc, vc, table, lens, ks, vs, pages, fresh = got[1]
+    assert fresh and pages == 2 and lens.tolist() == [20, 20]
+    assert table.tolist() == [[0, 1, 2], [3, 4, 5]]
     assert ks.tolist() == [0.5, 0.5] and vs.shape == (2,)  # v calibrated per KV head
     want = (k[1, :, 19].float() / 0.5).to(FP8)  # request 1, position 19: page 4, offset 3
     assert torch.equal(kc[4, 3].view(torch.uint8), want.view(torch.uint8))
     (k, _), got = step(4)  # 4 more: positions 20..23, same pages
-    assert not got[0][6] and got[0][3].tolist() == [24, 24] and cache.get_seq_length() == 24
+    assert not got[0][7] and got[0][3].tolist() == [24, 24] and cache.get_seq_length() == 24
     cache.crop(-3)  # reject 3: the next token is position 21, in the slot of a rejected one
     (k, _), got = step(1)
     assert got[0][3].tolist() == [22, 22]
     want = (k[0, :, 0].float() / 0.5).to(FP8)
     assert torch.equal(cache.layers[0].keys[1, 5].view(torch.uint8), want.view(torch.uint8))
     _, got = step(11)  # 33 tokens: the 3rd page of each request
-    assert got[0][2].tolist() == [[0, 1, 2], [3, 4, 5]] and got[0][3].tolist() == [33, 33]
+    assert got[0][6] == 3 and got[0][3].tolist() == [33, 33]
     with pytest.raises(RuntimeError, match="raise max_tokens"):
         step(16)  # 49 > 48 tokens per request
     assert cache.get_seq_length() == 33  # the refused step changed nothing
@@ -312,6 +314,31 @@ def test_generate_compiled_equals_eager(model):
         )
         assert torch.equal(got, want)
         assert len(graphs) == 1 if lookup is None else 1 < len(graphs) <= lookup + 1, graphs
+
+
+def test_eager_and_compiled_steps_give_the_op_the_same_table(model, monkeypatch):
+    """The op's split count follows its block table's capacity, so eager and compiled steps
+    must pass the same table to compute the same bits (on a GPU; the CPU reference has no
+    splits): the whole table in both, whatever the pages in use."""
+    widths = {"eager": set(), "compiled": set()}
+    paged_attention = sa.paged_attention
+
+    def recording(query, kc, vc, table, *args, **kw):
+        mode = "compiled" if torch.compiler.is_compiling() else "eager"
+        widths[mode].add(table.shape[1])
+        return paged_attention(query, kc, vc, table, *args, **kw)
+
+    monkeypatch.setattr(hf.sa, "paged_attention", recording)
+    backend, _ = counting_backend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for fwd in (model, compiled):
+        cache = paged(model)
+        with torch.no_grad():
+            tok = model(prompt(), cache=cache).logits[:, -1:].argmax(-1)
+            for ids in [tok, tok.repeat(1, 4), tok]:
+                fwd(ids, cache=cache)
+    whole = paged(model).num_pages  # batch 1: every page
+    assert widths == {"eager": {whole}, "compiled": {whole}}, widths
 
 
 class _GatherLayer(CacheLayerMixin):

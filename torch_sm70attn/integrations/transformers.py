@@ -210,7 +210,7 @@ class PagedE4M3Cache(Cache):
                 f"PagedE4M3Cache holds {self._lens.shape[0]} requests, the forward has {B}: "
                 "call cache.reset() before a new batch"
             )
-        # at most the capacity the kernels admit: a compiled step passes the whole table
+        # at most the capacity the kernels admit: every decode and verify step passes the whole table
         W = min(self.num_pages // B, admitted_capacity(self.page_size) // self.page_size)
         self._table = torch.arange(B * W, dtype=torch.int32, device=device).view(B, W)
         self._lens = torch.zeros(B, dtype=torch.int32, device=device)
@@ -235,15 +235,18 @@ class PagedE4M3Cache(Cache):
         self._lens.add_(Q)
 
     def _inputs(self, Q: int):
-        """(slots [B * Q], block table, fresh) of the forward in progress. Eager: the table
-        cut to the pages in use and `fresh` for a prompt (every request holds just these Q
-        tokens). Compiled: the whole table (the op reads only the pages it reaches)."""
+        """(slots [B * Q], pages, fresh) of the forward in progress. The op always gets the
+        whole table (it reads only the pages it reaches): its split count follows the table's
+        capacity, so eager and compiled steps must pass the same one to get the same bits.
+        `pages`, the pages in use, cuts the table for the prefill route, which gathers every
+        page it is given (None in a compiled step: no host copy of the length there); `fresh`
+        marks a prompt (every request holds just these Q tokens)."""
         ps, table = self.page_size, self._table
         pos = self._lens.long()[:, None] - Q + torch.arange(Q, device=table.device)
         slots = (table.gather(1, pos // ps).long() * ps + pos % ps).flatten()
         if torch.compiler.is_compiling():
-            return slots, table, False
-        return slots, table[:, : -(-self._len // ps)], self._len == Q
+            return slots, None, False
+        return slots, -(-self._len // ps), self._len == Q
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Store the new tokens ([B, H_kv, Q, D]) and hand the attention its paged inputs
@@ -252,11 +255,11 @@ class PagedE4M3Cache(Cache):
         if layer_idx == 0:
             self._advance(B, Q, key_states.device)
         if torch.compiler.is_compiling():  # every layer computes them: no tensor kept on self
-            slots, table, fresh = self._inputs(Q)
+            slots, pages, fresh = self._inputs(Q)
         else:
             if layer_idx == 0:
                 self._step = self._inputs(Q)
-            slots, table, fresh = self._step
+            slots, pages, fresh = self._step
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
@@ -278,10 +281,11 @@ class PagedE4M3Cache(Cache):
         attn_kwargs[NAME] = (
             layer.keys,
             layer.values,
-            table,
+            self._table,
             self._lens,
             layer.k_scale,
             layer.v_scale,
+            pages,
             fresh,
         )
         return key_states, value_states
@@ -302,7 +306,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True
         )
         return out.transpose(1, 2), None
-    kc, vc, table, lens, ks, vs, fresh = paged
+    kc, vc, table, lens, ks, vs, pages, fresh = paged
     if query.dtype != torch.float16:
         raise TypeError(
             f"sm70attn attention needs a float16 model, got {query.dtype}: load it with "
@@ -311,6 +315,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if query.shape[2] <= MAX_ROWS:
         out = sa.paged_attention(query, kc, vc, table, lens, scale=scaling, k_scale=ks, v_scale=vs)
     else:
+        table = table if pages is None else table[:, :pages]
         out = _prefill(query, kc, vc, table, lens, scaling, ks, vs, fresh)
     return out.transpose(1, 2), None
 
