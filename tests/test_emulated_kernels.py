@@ -31,6 +31,7 @@ CASES = [
     "odd",
     "d64",
     "vec8",
+    "combine",
     "plan",
 ]
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

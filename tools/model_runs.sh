@@ -33,7 +33,7 @@ for s in $stages; do
       for c in 1,1,32768,1,6,256,1648 1,1,131072,1,6,256,1648 8,1,131072,1,6,256,1648 \
         1,8,131072,1,6,256,1648 8,8,32768,1,6,256,1648 8,8,131072,1,6,256,1648 4,8,131072,1,6,256,16 \
         1,1,32768,8,4,128,1648 8,1,131072,8,4,128,1648 8,1,131072,8,4,128,16 4,8,32768,8,4,128,1648 \
-        8,8,131072,8,4,128,1648; do specs+=(--spec "$c"); done
+        8,8,131072,8,4,128,1648 8,8,8192,8,4,128,1648 8,8,8192,1,6,256,1648; do specs+=(--spec "$c"); done
       ncu --clock-control none --csv -k regex:"paged|combine" --metrics \
         smsp__inst_executed.sum,gpu__time_duration.sum,sm__cycles_elapsed.avg,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,launch__grid_size,launch__block_size,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers \
         python3 tools/profile_cells.py --reps 1 "${specs[@]}" >"$out/ncu.csv" 2>"$out/ncu.err" || { status=1; tail -n 5 "$out/ncu.err"; }

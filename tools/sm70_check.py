@@ -71,9 +71,9 @@ def kernel_list():
     for d, mb, vec in entries("SM70ATTN_ATTN_KERNELS"):
         kt = f"sm70attn::AttnTraits<{d}, {mb}, {vec}>"
         out.append((f"attn D{d} MB{mb} VEC{vec}", "paged_attention.cuh", ATTN.format(kt), kt))
-    for (d,) in entries("SM70ATTN_COMBINE_KERNELS"):
-        ct = f"sm70attn::CombineTraits<{d}>"
-        out.append((f"combine D{d}", "combine.cuh", COMBINE.format(ct), ct))
+    for d, wpr in entries("SM70ATTN_COMBINE_KERNELS"):
+        ct = f"sm70attn::CombineTraits<{d}, {wpr}>"
+        out.append((f"combine D{d} WPR{wpr}", "combine.cuh", COMBINE.format(ct), ct))
     out.append(("store_kv", "store_kv.cuh", "", None))
     return out
 

@@ -206,13 +206,29 @@ def makespan(durations: list[float], copies: int, slots: int) -> float:
     return math.ceil(copies * sum(durations) / (slots * longest) - 1e-6) * longest
 
 
-def combine_time(rows, D, splits, part_bytes, gpu, sass, prm, sms) -> float:
-    """The combine kernel: a fixed time plus its waves of CTAs (one per row and 32 columns),
-    each wave a fixed number of cycles (fitted on ncu's combine durations on the H200), and at
-    least the partials' bytes over the bandwidth."""
-    k = sass[gpu["arch"]][f"combine D{D}"]
+def combine_warps_per_row(splits: int) -> int:
+    """traits.h's combine_warps_per_row: warps per output row of the combine kernel."""
+    return 1 if splits <= 16 else 4 if splits <= 64 else 16
+
+
+COMBINE_WARPS, COMBINE_U = 16, 16  # traits.h: CombineTraits
+
+
+def combine_waves(rows: int, D: int, splits: int, gpu: dict, sass: dict, sms: int) -> int:
+    """Rounds of the combine: its CTAs (16 / WPR rows and 32 columns each) in waves of the SMs'
+    resident CTAs, times the passes of U loads a warp makes over its share of the splits."""
+    wpr = combine_warps_per_row(splits)
+    k = sass[gpu["arch"]][f"combine D{D} WPR{wpr}"]
     occ = max(1, occupancy(k["regs"], k["threads"], k["smem"], gpu))
-    waves = math.ceil(rows * (D // 32) / (sms * occ))
+    ctas = cdiv(rows, COMBINE_WARPS // wpr) * (D // 32)
+    return cdiv(ctas, sms * occ) * cdiv(splits, wpr * COMBINE_U)
+
+
+def combine_time(rows, D, splits, part_bytes, gpu, sass, prm, sms) -> float:
+    """The combine kernel: a fixed time plus its rounds (combine_waves), each a fixed number of
+    cycles (fitted on ncu's combine durations on the H200), and at least the partials' bytes
+    over the bandwidth."""
+    waves = combine_waves(rows, D, splits, gpu, sass, sms)
     t = prm["comb_us"] * 1e-6 + waves * prm["comb_wave_cyc"] / gpu["clock"]
     return max(t, part_bytes / gpu["bw"])
 
@@ -437,16 +453,18 @@ def fit(runs, sass, dyn) -> dict:
 
 def fit_combine(sass) -> dict:
     """comb_us and comb_wave_cyc: least squares of ncu's combine durations on the H200 (the
-    calibration cells' grids on 132 SMs) against fixed + waves x cycles."""
+    calibration cells' grids on 132 SMs) against fixed + rounds x cycles (combine_waves; the
+    splits are the grid of the attention launch before it)."""
     gpu = GPUS["H200"]
-    xs = []
+    xs, splits = [], 1
     for r in json.load(open(os.path.join(DATA, "h200_ncu.json"))):
-        if r["kernel"] == "combine":
-            c = r["cell"]
-            k = sass["sm_90"][f"combine D{c['D']}"]
-            occ = max(1, occupancy(k["regs"], k["threads"], k["smem"], gpu))
-            rows = c["B"] * c["G"] * c["H_kv"] * c["Q"]
-            xs.append((math.ceil(rows * (c["D"] // 32) / (gpu["sms"] * occ)), r["time_us"] * 1e-6))
+        if r["kernel"] == "attn":
+            splits = r["grid"][1]
+            continue
+        c = r["cell"]
+        rows = c["B"] * c["G"] * c["H_kv"] * c["Q"]
+        waves = combine_waves(rows, c["D"], splits, gpu, sass, gpu["sms"])
+        xs.append((waves, r["time_us"] * 1e-6))
     n, sx, sy = len(xs), sum(x for x, _ in xs), sum(y for _, y in xs)
     sxx, sxy = sum(x * x for x, _ in xs), sum(x * y for x, y in xs)
     slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)

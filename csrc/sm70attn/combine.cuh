@@ -9,32 +9,33 @@
 
 namespace sm70attn {
 
-// CTA (row, column slice): 32 columns of one output row of [B * H_q * Q], one per lane. Warp w
-// folds splits w, w + WARPS, ... in increasing order into a running (max, sum, acc) (one pass
-// over the partials, U loads in flight per lane, so one call has rows * D * 4 * WARPS * U bytes
-// in flight: a latency-bound combine of a few rows reads all of its partials at once); then the
-// warps' results are merged in warp order. Splits that saw nothing (m = -inf) weigh 0.
+// CTA (row block, column slice): 32 columns, one per lane, of CT::ROWS consecutive output rows
+// of [B * H_q * Q]; warp w serves row w / WPR. The WPR warps of a row fold its splits
+// k, k + WPR, ... (k = w % WPR) in increasing order into a running (max, sum, acc) (one pass
+// over the partials, U loads in flight per lane: a latency-bound combine of a few rows reads
+// all of its partials at once); then, with WPR > 1, the row's warps' results are merged in warp
+// order. The order depends on num_splits only (WPR is a function of it). Splits that saw
+// nothing (m = -inf) weigh 0. With WPR = 1 and S <= 16 the sums are those of WPR = 16 term by
+// term: one pass adds w_s x_s in split order either way.
 template <class CT>
 __global__ void __launch_bounds__(CT::THREADS) combine_kernel(const PagedAttnParams p) {
-  constexpr int D = CT::D, W = CT::WARPS, U = CT::U, CW = CT::CW;
+  constexpr int D = CT::D, W = CT::WARPS, WPR = CT::WPR, U = CT::U, CW = CT::CW;
   extern __shared__ __align__(128) unsigned char smem[];
-  float(*red_acc)[CW] = reinterpret_cast<float(*)[CW]>(smem);  // [W][CW]
-  float* red_l = reinterpret_cast<float*>(smem) + W * CW;        // [W]
-  float* red_m = red_l + W;                                      // [W]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const i64 row = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = warp % WPR;
+  const i64 row = (i64)blockIdx.x * CT::ROWS + warp / WPR;
+  const bool live = row < (i64)p.B * p.H_q * p.Q;  // the last CTA's rows may run past the end
   const int col = blockIdx.y * CW + lane;
   const int S = p.num_splits;
   const float2* ml = p.part_ml + row * S;
   const float* pa = p.part_acc + row * S * D + col;
 
   float m = neg_inf(), l = 0.f, acc = 0.f;  // this warp's running max, sum and column value
-  for (int s0 = warp; s0 < S; s0 += W * U) {
+  for (int s0 = live ? sub : S; s0 < S; s0 += WPR * U) {
     float x[U];
     float2 e[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int s = s0 + u * W;
+      const int s = s0 + u * WPR;
       x[u] = 0.f, e[u] = make_float2(neg_inf(), 0.f);
       if (s < S) x[u] = pa[(i64)s * D], e[u] = ml[s];
     }
@@ -53,21 +54,28 @@ __global__ void __launch_bounds__(CT::THREADS) combine_kernel(const PagedAttnPar
       m = mx;
     }
   }
-  red_acc[warp][lane] = acc;
-  if (lane == 0) red_l[warp] = l, red_m[warp] = m;
-  __syncthreads();
-  if (warp != 0) return;
-  float mmax = neg_inf();
+  if (WPR > 1) {
+    float(*red_acc)[CW] = reinterpret_cast<float(*)[CW]>(smem);  // [W][CW]
+    float* red_l = reinterpret_cast<float*>(smem) + W * CW;        // [W]
+    float* red_m = red_l + W;                                      // [W]
+    red_acc[warp][lane] = acc;
+    if (lane == 0) red_l[warp] = l, red_m[warp] = m;
+    __syncthreads();
+    if (sub != 0) return;
+    const int w0 = warp;  // the row's warps: w0 .. w0 + WPR - 1
+    float mmax = neg_inf();
 #pragma unroll
-  for (int w = 0; w < W; ++w) mmax = fmaxf(mmax, red_m[w]);
-  acc = 0.f, l = 0.f;
-  if (mmax != neg_inf()) {
+    for (int w = 0; w < WPR; ++w) mmax = fmaxf(mmax, red_m[w0 + w]);
+    acc = 0.f, l = 0.f;
+    if (mmax != neg_inf()) {
 #pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const float r = exp2f(red_m[w] - mmax);
-      l += r * red_l[w], acc += r * red_acc[w][lane];
+      for (int w = 0; w < WPR; ++w) {
+        const float r = exp2f(red_m[w0 + w] - mmax);
+        l += r * red_l[w0 + w], acc += r * red_acc[w0 + w][lane];
+      }
     }
   }
+  if (!live) return;
   const int kvh = (int)(row / p.Q % p.H_q) / p.G;
   const float f = l > 0.f ? __ldg(p.v_scale + kvh * p.v_scale_stride) * 256.f / l : 0.f;
   p.out[row * D + col] = __float2half_rn(acc * f);

@@ -42,9 +42,10 @@ inline cudaError_t launch_paged_attention(const PagedAttnParams& params, int mb,
   });
   if (err != cudaSuccess || p.num_splits == 1) return err;
   err = cudaErrorInvalidValue;
-  combine_switch(p.D, [&](auto ct) {
+  combine_switch(p.D, p.num_splits, [&](auto ct) {
     using CT = decltype(ct);
-    combine_kernel<CT><<<dim3((unsigned)((i64)p.B * p.H_q * p.Q), CT::D / CT::CW), CT::THREADS, CT::SMEM_BYTES, stream>>>(p);
+    const unsigned blocks = (unsigned)(((i64)p.B * p.H_q * p.Q + CT::ROWS - 1) / CT::ROWS);
+    combine_kernel<CT><<<dim3(blocks, CT::D / CT::CW), CT::THREADS, CT::SMEM_BYTES, stream>>>(p);
     err = cudaSuccess;
   });
   return err;

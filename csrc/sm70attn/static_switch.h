@@ -29,8 +29,12 @@
   X(256, 3, 16) X(256, 3, 8) \
   X(256, 4, 16) X(256, 4, 8)
 
-// Split-K combine kernels: X(head dim D).
-#define SM70ATTN_COMBINE_KERNELS(X) X(64) X(128) X(256)
+// Split-K combine kernels: X(head dim D, warps per output row WPR), WPR as
+// combine_warps_per_row(splits) picks it.
+#define SM70ATTN_COMBINE_KERNELS(X) \
+  X(64, 1) X(64, 4) X(64, 16) \
+  X(128, 1) X(128, 4) X(128, 16) \
+  X(256, 1) X(256, 4) X(256, 16)
 
 #ifndef __CUDACC_RTC__
 namespace sm70attn {
@@ -45,11 +49,13 @@ inline bool attn_switch(int d, int mb, int vec, F&& f) {
   return false;
 }
 
-// Calls f(CombineTraits<D>{}) for the listed kernel; false when none is listed.
+// Calls f(CombineTraits<D, combine_warps_per_row(splits)>{}) for the listed kernel; false when
+// none is listed.
 template <class F>
-inline bool combine_switch(int d, F&& f) {
-#define SM70ATTN_CASE(D_) \
-  if (d == D_) return f(CombineTraits<D_>{}), true;
+inline bool combine_switch(int d, int splits, F&& f) {
+  const int wpr = combine_warps_per_row(splits);
+#define SM70ATTN_CASE(D_, WPR_) \
+  if (d == D_ && wpr == WPR_) return f(CombineTraits<D_, WPR_>{}), true;
   SM70ATTN_COMBINE_KERNELS(SM70ATTN_CASE)
 #undef SM70ATTN_CASE
   return false;

@@ -111,13 +111,22 @@ struct AttnTraits {
 // Most context splits the plan makes (plan.h).
 __host__ __device__ constexpr int attn_max_splits() { return 512; }
 
-// Combine (split-K reduction): one CTA per (output row, 32 columns), a column per lane; its
-// WARPS warps share the splits with U loads in flight each.
-template <int D_>
+// Warps that share one output row in the combine: a warp folds U = 16 splits per pass, so up
+// to 16 splits take one warp per row (16 rows per CTA), up to 64 four (4 rows), more all 16.
+__host__ __device__ constexpr int combine_warps_per_row(int splits) {
+  return splits <= 16 ? 1 : splits <= 64 ? 4 : 16;
+}
+
+// Combine (split-K reduction): a CTA takes 32 columns (a column per lane) of ROWS = WARPS / WPR
+// output rows; the WPR warps of a row share its splits, U loads in flight each.
+template <int D_, int WPR_>
 struct CombineTraits {
-  static constexpr int D = D_, CW = 32, WARPS = 16, THREADS = 32 * WARPS, U = 16;
-  static constexpr int SMEM_BYTES = (WARPS * CW + 2 * WARPS) * 4;  // per-warp sums and maxima
+  static constexpr int D = D_, WPR = WPR_, CW = 32, WARPS = 16, THREADS = 32 * WARPS, U = 16;
+  static constexpr int ROWS = WARPS / WPR;
+  // per-warp sums and maxima for the merge of a row's warps (none with one warp per row)
+  static constexpr int SMEM_BYTES = WPR == 1 ? 0 : (WARPS * CW + 2 * WARPS) * 4;
   static_assert(D % CW == 0, "head dim");
+  static_assert(WPR == 1 || WPR == 4 || WPR == 16, "warps per row: combine_warps_per_row");
 };
 
 // store_kv: one thread quantizes 8 consecutive elements (or single elements on the slow path).

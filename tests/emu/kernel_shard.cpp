@@ -42,11 +42,11 @@ template <int D, int MB, int VEC>
 struct Shard<AttnTraits<D, MB, VEC>, true> {
   static void* launcher() { return (void*)&launch_attn<AttnTraits<D, MB, VEC>>; }
 };
-template <int D>
-struct Shard<CombineTraits<D>, true> {
-  static void* launcher() { return (void*)&launch_combine<CombineTraits<D>>; }
+template <int D, int WPR>
+struct Shard<CombineTraits<D, WPR>, true> {
+  static void* launcher() { return (void*)&launch_combine<CombineTraits<D, WPR>>; }
 };
 #define EMU_ATTN(D, MB, VEC) template struct Shard<AttnTraits<D, MB, VEC>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
-#define EMU_COMBINE(D) template struct Shard<CombineTraits<D>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
+#define EMU_COMBINE(D, WPR) template struct Shard<CombineTraits<D, WPR>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
 SM70ATTN_ATTN_KERNELS(EMU_ATTN)
 SM70ATTN_COMBINE_KERNELS(EMU_COMBINE)

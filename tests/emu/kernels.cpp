@@ -101,6 +101,7 @@ std::vector<double> reference(const Problem& p) {
 
 static bool g_q_misaligned = false;
 static int g_ctas_per_sm = 2;
+static int g_combine_as = 0;  // > 0: launch the combine kernel picked for this many splits
 std::vector<unsigned short> run(Problem& p, int num_sms, int* splits_out = nullptr, int force_splits = 0) {
   const i64 cap = (i64)p.max_pages * p.page_size;
   AttnPlan plan = plan_paged_attention(p.B, p.H_q, p.H_kv, p.Q, p.D, cap, num_sms, g_ctas_per_sm);
@@ -140,9 +141,9 @@ std::vector<unsigned short> run(Problem& p, int num_sms, int* splits_out = nullp
   });
   if (!found) { fprintf(stderr, "no kernel for D%d MB%d VEC%d\n", p.D, plan.mb, vec); abort(); }
   if (plan.num_splits > 1)
-    combine_switch(p.D, [&](auto ct) {
+    combine_switch(p.D, g_combine_as ? g_combine_as : plan.num_splits, [&](auto ct) {
       using CT = decltype(ct);
-      launch_combine<CT>(dim3((unsigned)((i64)p.B * p.H_q * p.Q), CT::D / CT::CW), a);
+      launch_combine<CT>(dim3((unsigned)(((i64)p.B * p.H_q * p.Q + CT::ROWS - 1) / CT::ROWS), CT::D / CT::CW), a);
     });
   delete qv; delete kv; delete bt; delete sl; delete ks; delete vs;
   return out;
@@ -211,6 +212,25 @@ int main(int argc, char** argv) {
     Problem p = make(2, 6, 1, 8, 256, 37, 30, 9, 0, false);
     p.seq_lens = {300, 5};
     check("verify D256 G6 Q8", p, 16);
+  }
+  if (want("combine")) {  // each combine kernel (1, 4, 16 warps per row), rows not a multiple of its 16 / 4 / 1
+    Problem p = make(3, 5, 1, 3, 64, 7, 200, 60, 0, true);  // 45 output rows
+    p.seq_lens = {400, 3, 170};
+    for (int sp : {5, 16, 17, 40, 64, 65, 130}) {
+      char name[64];
+      snprintf(name, sizeof name, "combine WPR%d s%d", combine_warps_per_row(sp), sp);
+      check(name, p, 4, sp);
+    }
+    // up to 16 splits, one warp per row adds the same terms in the same order as 16 warps per row
+    bool same = true;
+    for (int sp : {2, 9, 16}) {
+      const auto one = run(p, 4, nullptr, sp);
+      g_combine_as = attn_max_splits();
+      same &= one == run(p, 4, nullptr, sp);
+      g_combine_as = 0;
+    }
+    failures += !same;
+    printf("determinism: combine WPR1 vs WPR16 %s\n", same ? "same" : "DIFFER");
   }
   if (want("padwarps")) {  // shapes with warps of padding rows only, REGS and shared-memory row state, H_kv 3, row groups 3
     struct C { const char* n; int B, G, H_kv, Q, D, page, P, mp; std::vector<int> lens; std::vector<int> sp; };
