@@ -27,8 +27,8 @@ CTAs of each split with their tiles, and for the kernel (D, MB) on the GPU's arc
   shared-memory bytes / 128 B a cycle;
 - a CTA = tiles x that + the rest's instructions x c_rest + a fixed latency; CTAs run in whole
   rounds of the SMs' resident slots; dram = KV bytes and split partials over the bandwidth;
-- then the combine kernel (fixed time plus waves of its CTAs, fitted on ncu's durations) and a
-  launch gap.
+- then the combine kernel (a fixed time plus rounds: waves of its CTAs x passes of a warp over
+  its splits; fitted on ncu's durations) and a launch gap.
 The V100 keeps every fitted term in cycles and takes its own SM count, clock, bandwidth, shared
 memory, occupancy, pipes and sm_70 SASS. Its 8x more tensor instructions (16 HMMA.884 a WMMA)
 cannot be calibrated on the H200: "hi" puts every one on the latency path, "lo" only the

@@ -18,7 +18,7 @@ namespace sm70attn {
 // nothing (m = -inf) weigh 0. With WPR = 1 and S <= 16 the sums are those of WPR = 16 term by
 // term: one pass adds w_s x_s in split order either way.
 template <class CT>
-__global__ void __launch_bounds__(CT::THREADS) combine_kernel(const PagedAttnParams p) {
+__global__ void __launch_bounds__(CT::THREADS, CT::MIN_BLOCKS) combine_kernel(const PagedAttnParams p) {
   constexpr int D = CT::D, W = CT::WARPS, WPR = CT::WPR, U = CT::U, CW = CT::CW;
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = warp % WPR;

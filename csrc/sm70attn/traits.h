@@ -123,6 +123,9 @@ template <int D_, int WPR_>
 struct CombineTraits {
   static constexpr int D = D_, WPR = WPR_, CW = 32, WARPS = 16, THREADS = 32 * WARPS, U = 16;
   static constexpr int ROWS = WARPS / WPR;
+  // Two CTAs per SM (at most 64 registers a thread), as the one-kernel combine had on sm_70:
+  // without the bound ptxas takes 68-69 there, and a V100 SM would hold one.
+  static constexpr int MIN_BLOCKS = 2;
   // per-warp sums and maxima for the merge of a row's warps (none with one warp per row)
   static constexpr int SMEM_BYTES = WPR == 1 ? 0 : (WARPS * CW + 2 * WARPS) * 4;
   static_assert(D % CW == 0, "head dim");
