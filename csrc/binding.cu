@@ -3,6 +3,7 @@
 // includes torch; kernels live in torch-free headers under sm70attn/.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -18,6 +19,7 @@
 #include <type_traits>
 
 #include "sm70attn/launch.h"
+#include "sm70attn/mma_check.cuh"
 
 // The JIT loader passes the digest as a bare token (-DSM70ATTN_DIGEST=abc123): quotes do not
 // survive the build's command line.
@@ -324,6 +326,28 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Test hook (mma_atom_check): D = A B + C through one MMA atom and its element maps.
+template <class At>
+at::Tensor mma_atom_check_t(const at::Tensor& A, const at::Tensor& B, const at::Tensor& C) {
+  const std::vector<int64_t> sa{At::GROUPS, At::M, At::K}, sb{At::GROUPS, At::K, At::N}, sc{At::GROUPS, At::M, At::N};
+  TORCH_CHECK_VALUE(A.is_cuda() && B.is_cuda() && C.is_cuda() && A.device() == B.device() && A.device() == C.device(),
+                    "mma_atom_check: A, B and C must be on one CUDA device");
+  TORCH_CHECK_VALUE(A.scalar_type() == at::kHalf && B.scalar_type() == at::kHalf && C.scalar_type() == at::kFloat,
+                    "mma_atom_check: A and B float16, C float32");
+  TORCH_CHECK_VALUE(A.sizes().vec() == sa && B.sizes().vec() == sb && C.sizes().vec() == sc && A.is_contiguous() &&
+                        B.is_contiguous() && C.is_contiguous(),
+                    "mma_atom_check: contiguous A [", At::GROUPS, ", ", At::M, ", ", At::K, "], B [", At::GROUPS, ", ",
+                    At::K, ", ", At::N, "], C [", At::GROUPS, ", ", At::M, ", ", At::N, "]");
+  const c10::cuda::CUDAGuard guard(A.device());
+  at::Tensor D = at::empty_like(C);
+  D.fill_(std::nanf(""));  // poisoned: an element no lane writes stays NaN
+  sm70attn::mma_check_kernel<At><<<1, 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __half*>(A.data_ptr<at::Half>()), reinterpret_cast<const __half*>(B.data_ptr<at::Half>()),
+      C.data_ptr<float>(), D.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return D;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sm70attn, CUDA, m) {
@@ -342,6 +366,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "benchmarks only: plan paged_attention for num_sms SMs holding at most as many CTAs as "
         "sm_smem_bytes of shared memory per SM would (0: the device's own)", pybind11::arg("num_sms") = 0,
         pybind11::arg("sm_smem_bytes") = 0);
+  m.def("mma_atom_check", [](int shape, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C) {
+          TORCH_CHECK_VALUE(shape == 884 || shape == 16816, "mma_atom_check: shape 884 (m8n8k4) or 16816 (m16n8k16)");
+          if (shape == 884) return mma_atom_check_t<sm70attn::MmaM8N8K4>(A, B, C);
+          const c10::cuda::CUDAGuard guard(A.device());
+          int major = 0;
+          C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, A.get_device()));
+          TORCH_CHECK_VALUE(major >= 8, "mma_atom_check: m16n8k16 needs SM80 or newer");
+          return mma_atom_check_t<sm70attn::MmaM16N8K16>(A, B, C);
+        },
+        "tests only: D = A B + C per group through one mma.sync atom (884: m8n8k4, 4 groups of 8x8x4; 16816: "
+        "m16n8k16, one group of 16x8x16) and the element maps of csrc/sm70attn/mma_atoms.h",
+        pybind11::arg("shape"), pybind11::arg("A"), pybind11::arg("B"), pybind11::arg("C"));
   m.def("plan", [](int64_t B, int64_t H_q, int64_t H_kv, int64_t Q, int64_t D, int64_t capacity, int vec, int device) {
           TORCH_CHECK_VALUE(B >= 1 && H_kv >= 1 && H_q >= H_kv && H_q % H_kv == 0 && H_q / H_kv <= 8 && Q >= 1 &&
                             Q <= 16 && capacity >= 0 && capacity <= (int64_t)INT_MAX - 1024 && (vec == 8 || vec == 16) &&

@@ -32,6 +32,7 @@ CASES = [
     "d64",
     "vec8",
     "combine",
+    "atoms",
     "plan",
 ]
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

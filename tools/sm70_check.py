@@ -37,6 +37,10 @@ FORBIDDEN = re.compile(
 )
 ATTN = "template __global__ void sm70attn::paged_attention_kernel<{}>(sm70attn::PagedAttnParams);"
 COMBINE = "template __global__ void sm70attn::combine_kernel<{}>(sm70attn::PagedAttnParams);"
+MMA_CHECK = (
+    "template __global__ void sm70attn::mma_check_kernel<{}>"
+    "(const __half*, const __half*, const float*, float*);"
+)
 
 
 def wheel_paths():
@@ -75,6 +79,11 @@ def kernel_list():
         ct = f"sm70attn::CombineTraits<{d}, {wpr}>"
         out.append((f"combine D{d} WPR{wpr}", "combine.cuh", COMBINE.format(ct), ct))
     out.append(("store_kv", "store_kv.cuh", "", None))
+    out.append(("mma atom m8n8k4", "mma_check.cuh", MMA_CHECK.format("sm70attn::MmaM8N8K4"), None))
+    # the binding builds this one for every arch: before SM80 it must compile (to a trap)
+    out.append(
+        ("mma atom m16n8k16", "mma_check.cuh", MMA_CHECK.format("sm70attn::MmaM16N8K16"), None)
+    )
     return out
 
 

@@ -11,6 +11,8 @@
 #include "emu_launch.h"
 #include "sm70attn/plan.h"
 #include "sm70attn/store_kv.cuh"
+#include "emu_atoms.h"
+#include "sm70attn/mma_check.cuh"
 namespace sm70attn { alignas(128) unsigned char smem[100 * 1024]; }
 
 using namespace sm70attn;
@@ -177,6 +179,33 @@ void check(const char* name, Problem& p, int num_sms, int force_splits = 0) {
 int main(int argc, char** argv) {
   const char* only = argc > 1 ? argv[1] : "";
   auto want = [&](const char* n) { return strstr(n, only) != nullptr; };
+  if (want("atoms")) {  // mma_check_kernel through the emulated atoms against a double product
+    auto atom = [&](auto at, const char* name) {
+      using At = decltype(at);
+      const int G = At::GROUPS, M = At::M, N = At::N, K = At::K;
+      std::vector<__half> A(G * M * K), B(G * K * N);
+      std::vector<float> C(G * M * N), D(G * M * N, std::nanf(""));
+      for (auto& x : A) x = __float2half_rn(frand());
+      for (auto& x : B) x = __float2half_rn(frand());
+      for (auto& x : C) x = frand();
+      emu::run_block(dim3(0), dim3(1), 32, [&] { mma_check_kernel<At>(A.data(), B.data(), C.data(), D.data()); });
+      double worst = 0;
+      for (int g = 0; g < G; ++g)
+        for (int r = 0; r < M; ++r)
+          for (int c = 0; c < N; ++c) {
+            double want = C[(g * M + r) * N + c];
+            for (int k = 0; k < K; ++k)
+              want += (double)__half2float(A[(g * M + r) * K + k]) * __half2float(B[(g * K + k) * N + c]);
+            const double e = std::fabs(D[(g * M + r) * N + c] - want);
+            worst = std::isnan(e) ? INFINITY : std::max(worst, e);
+          }
+      const bool ok = worst <= 1e-5;
+      failures += !ok;
+      printf("atoms %-12s %d group(s) of %dx%dx%d  max err %.2e %s\n", name, G, M, N, K, worst, ok ? "ok" : "FAIL");
+    };
+    atom(MmaM8N8K4{}, "m8n8k4");
+    atom(MmaM16N8K16{}, "m16n8k16");
+  }
   if (want("plan")) {  // host plan over a grid of shapes: bounds, whole waves, B-independence
     int bad = 0, n = 0;
     for (int D : {64, 128, 256})
