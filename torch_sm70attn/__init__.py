@@ -66,8 +66,11 @@ def _as_scale(name: str, x, device: torch.device) -> torch.Tensor:
             f"{name} must be a float or a float32 tensor of shape [], [1] or [H_kv], "
             f"got {type(x).__name__}"
         )
-    if torch.compiler.is_compiling():  # Dynamo warns on lru_cache; torch.tensor would copy
-        # from the host, which a CUDA graph cannot capture: a fill kernel instead
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        # Traced (Dynamo warns on lru_cache; torch.tensor would copy from the host, which a
+        # CUDA graph cannot capture: a fill kernel instead), or under a dispatch mode
+        # (FakeTensorMode, make_fx, torch.export's non-strict tracing): a cached real tensor
+        # must not enter the mode, nor a fake one made under it be cached for later calls.
         return torch.full((), float(x), dtype=torch.float32, device=device)
     return _scale_tensor(float(x), device)
 
