@@ -53,7 +53,8 @@ def paged_attention(query, key_cache, value_cache, block_table, seq_lens, scale,
             l = l * alpha + p.sum(-1)
             acc = acc * alpha[..., None] + torch.bmm(p, v.transpose(0, 1))
             m = m_new
-        o = torch.where(l[..., None] > 0, acc / l.clamp_min(1e-30)[..., None], 0.0)
+        # a row that saw no key (m = -inf) is 0; NaN from the inputs (l or acc NaN) stays NaN
+        o = torch.where(m[..., None] == float("-inf"), 0.0, acc / l.clamp_min(1e-30)[..., None])
         out[b] = o.reshape(H_q, Q, D).to(torch.float16)
     return out
 
