@@ -3,6 +3,12 @@
 The digest covers every file under csrc/, the compiler flags, the target architectures and
 the torch/CUDA versions. It names the module and its build directory, is compiled into the
 library, and is compared on load: a library built from other sources is refused.
+
+The build compiles a copy of csrc/ kept in the build directory (`src/`, made once per digest),
+not the installed files: every install of the same sources (two venvs, two checkouts) then
+hands torch's builder the same paths and flags, so they share one build instead of rebuilding
+it for each other. A build killed half way leaves torch's `lock` file behind, which would make
+every later build wait forever: an old one is reported with what to delete.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -63,8 +70,79 @@ def module_name(digest: str) -> str:
 
 
 def build_dir(digest: str) -> Path:
-    base = os.environ.get("TORCH_SM70ATTN_BUILD_DIR") or Path.home() / ".cache" / "torch_sm70attn"
+    base = os.environ.get("TORCH_SM70ATTN_BUILD_DIR")
+    if not base:
+        try:
+            base = Path.home() / ".cache" / "torch_sm70attn"
+        except RuntimeError as e:  # no HOME and no passwd entry
+            raise RuntimeError(
+                f"torch_sm70attn: no home directory for the CUDA build ({e}): set "
+                "TORCH_SM70ATTN_BUILD_DIR to a writable directory"
+            ) from None
     return Path(base) / module_name(digest)
+
+
+def _make_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise RuntimeError(
+            f"torch_sm70attn: cannot write the CUDA build directory {path} ({e}): set "
+            "TORCH_SM70ATTN_BUILD_DIR to a writable directory"
+        ) from None
+
+
+def _same_tree(a: Path, b: Path) -> bool:
+    files = [p.relative_to(a) for p in sorted(a.rglob("*")) if p.is_file()]
+    other = [p.relative_to(b) for p in sorted(b.rglob("*")) if p.is_file()]
+    return files == other and all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+
+
+def stage_sources(out: Path) -> Path:
+    """out/src: a copy of csrc/ (what the digest covers), made once and by one process: a
+    copy under a private name is renamed into place, and a loser of the race drops its own."""
+    src, root = out / "src", csrc_dir()
+    if src.is_dir() and _same_tree(root, src):
+        return src
+    if src.exists():  # another digest's leftovers cannot be here (the digest names out); a
+        shutil.rmtree(src, ignore_errors=True)  # partial copy of an older version can
+    tmp = out / f"src.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(root, tmp, ignore=shutil.ignore_patterns("__pycache__"))
+    try:
+        os.rename(tmp, src)
+    except OSError:  # another process put its copy first
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not _same_tree(root, src):
+        raise RuntimeError(f"torch_sm70attn: the staged sources in {src} differ from {root}")
+    return src
+
+
+STALE_LOCK_S = 1800  # a build takes minutes: a lock this old outlived the build that made it
+
+
+def check_lock(out: Path) -> None:
+    """torch's builder waits, without a word and without end, while `out/lock` exists."""
+    lock = out / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        raise RuntimeError(
+            f"torch_sm70attn: {lock} is {age / 60:.0f} minutes old: a build of the CUDA kernels "
+            "was probably killed half way. If no other process is building them, delete "
+            f"{lock} and retry"
+        )
+    log.warning(
+        "torch_sm70attn: another process is building the CUDA kernels in %s; waiting for it "
+        "(if none is, a build was killed: delete %s)",
+        out,
+        lock,
+    )
 
 
 def is_built(digest: str | None = None) -> bool:
@@ -83,7 +161,9 @@ def load():
     digest = source_digest()
     name = module_name(digest)
     out = build_dir(digest)
-    out.mkdir(parents=True, exist_ok=True)
+    _make_dir(out)
+    src = stage_sources(out)
+    check_lock(out)
     fresh = not is_built(digest)
     if fresh:
         log.warning(
@@ -92,15 +172,20 @@ def load():
             out,
         )
     t0 = time.perf_counter()
-    root = csrc_dir()
-    mod = cpp_extension.load(
-        name=name,
-        sources=[str(root / "binding.cu")],
-        extra_include_paths=[str(root)],
-        extra_cuda_cflags=CUDA_FLAGS + [f"-DSM70ATTN_DIGEST={digest}"],
-        build_directory=str(out),
-        verbose=False,
-    )
+    try:
+        mod = cpp_extension.load(
+            name=name,
+            sources=[str(src / "binding.cu")],
+            extra_include_paths=[str(src)],
+            extra_cuda_cflags=CUDA_FLAGS + [f"-DSM70ATTN_DIGEST={digest}"],
+            build_directory=str(out),
+            verbose=False,
+        )
+    except ImportError as e:  # a truncated library (a killed link) fails here, not in ninja
+        raise RuntimeError(
+            f"torch_sm70attn: the CUDA library in {out} does not load ({e}); if a build was "
+            f"killed half way, delete {out} and retry"
+        ) from e
     if fresh:
         log.warning("torch_sm70attn: CUDA kernels built in %.1f s", time.perf_counter() - t0)
     if mod.digest() != digest:

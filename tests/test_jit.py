@@ -1,0 +1,128 @@
+"""The JIT build's handling of its directory (issue 13, item 4), on the CPU: torch's builder is
+replaced by a stand-in that records what it was handed, so these run without CUDA. What they
+pin down: two installs of the same sources share one build (same paths and flags for torch's
+builder, which otherwise rebuilds for each in turn), and an unwritable or missing home, a
+lock left by a killed build and a truncated library each end in an error that says what to
+set or delete, not in a traceback or a wait without end."""
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from torch.utils import cpp_extension
+
+from torch_sm70attn import _jit
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+
+
+class FakeModule:
+    def __init__(self, digest):
+        self._digest = digest
+
+    def digest(self):
+        return self._digest
+
+
+@pytest.fixture
+def builder(monkeypatch, tmp_path):
+    """TORCH_SM70ATTN_BUILD_DIR in tmp_path and a recording stand-in for torch's builder."""
+    monkeypatch.setenv("TORCH_SM70ATTN_BUILD_DIR", str(tmp_path / "build"))
+    calls = []
+
+    def load(**kw):
+        for f in kw["sources"]:
+            assert Path(f).is_file(), f
+        calls.append(kw)
+        return FakeModule(_jit.source_digest())
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    return calls
+
+
+def install(tmp_path, name, monkeypatch):
+    """A copy of csrc/ at another path, as a second venv or checkout would have it."""
+    root = tmp_path / name / "csrc"
+    shutil.copytree(CSRC, root)
+    monkeypatch.setattr(_jit, "csrc_dir", lambda: root)
+    return root
+
+
+def test_two_installs_hand_the_builder_the_same_paths(builder, tmp_path, monkeypatch):
+    a = install(tmp_path, "venv_a", monkeypatch)
+    digest = _jit.source_digest()
+    _jit.load.__wrapped__()
+    install(tmp_path, "venv_b", monkeypatch)
+    assert _jit.source_digest() == digest  # the digest covers contents, not where they live
+    _jit.load.__wrapped__()
+    first, second = builder
+    assert first == second
+    out = _jit.build_dir(digest)
+    assert first["build_directory"] == str(out)
+    assert first["extra_include_paths"] == [str(out / "src")]
+    assert first["sources"] == [str(out / "src" / "binding.cu")]
+    assert _jit._same_tree(a, out / "src")
+
+
+def test_staged_sources_are_reused_and_a_broken_copy_replaced(builder, tmp_path, monkeypatch):
+    install(tmp_path, "venv", monkeypatch)
+    _jit.load.__wrapped__()
+    src = _jit.build_dir(_jit.source_digest()) / "src"
+    stamp = (src / "binding.cu").stat().st_mtime_ns
+    _jit.load.__wrapped__()
+    assert (src / "binding.cu").stat().st_mtime_ns == stamp  # not copied again
+    (src / "sm70attn" / "plan.h").unlink()  # a copy cut short
+    (src / "binding.cu").write_text("// stale")
+    _jit.load.__wrapped__()
+    assert _jit._same_tree(_jit.csrc_dir(), src)
+    assert not list(src.parent.glob("src.tmp-*"))
+
+
+def test_an_unwritable_build_dir_names_the_variable(monkeypatch, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("TORCH_SM70ATTN_BUILD_DIR", str(blocker / "builds"))
+    with pytest.raises(RuntimeError, match="set TORCH_SM70ATTN_BUILD_DIR to a writable"):
+        _jit.load.__wrapped__()
+
+
+def test_no_home_directory_names_the_variable(monkeypatch):
+    monkeypatch.delenv("TORCH_SM70ATTN_BUILD_DIR", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    with pytest.raises(RuntimeError, match="no home directory.*TORCH_SM70ATTN_BUILD_DIR"):
+        _jit.build_dir("x")
+
+
+def test_a_lock_left_by_a_killed_build_says_what_to_delete(builder, caplog):
+    out = _jit.build_dir(_jit.source_digest())
+    out.mkdir(parents=True)
+    lock = out / "lock"
+    lock.touch()
+    old = time.time() - _jit.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.raises(RuntimeError, match=f"delete {lock} and retry"):
+        _jit.load.__wrapped__()
+    assert not builder  # refused before torch's builder could wait on it
+    lock.touch()  # a young lock: another build may be running; say so, then wait as torch does
+    with caplog.at_level(logging.WARNING, logger="torch_sm70attn"):
+        _jit.load.__wrapped__()
+    assert "another process is building" in caplog.text and str(lock) in caplog.text
+    assert len(builder) == 1
+
+
+def test_a_library_that_does_not_load_says_what_to_delete(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_SM70ATTN_BUILD_DIR", str(tmp_path / "build"))
+
+    def load(**kw):
+        raise ImportError("sm70attn_x.so: file too short")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    with pytest.raises(RuntimeError, match="killed half way, delete .* and retry"):
+        _jit.load.__wrapped__()
