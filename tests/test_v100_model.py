@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import v100_model as vm  # noqa: E402
 
 RUNS = vm.load_runs()
@@ -138,3 +139,28 @@ def test_perf_md_holds_the_tools_tables(fitted):
     ]
     doc = (Path(vm.ROOT) / "docs" / "perf.md").read_text().splitlines()
     assert len(rows) == 116 and all(r in doc for r in rows), [r for r in rows if r not in doc][:3]
+
+
+@pytest.mark.parametrize("sms", [80, 132])
+@pytest.mark.parametrize("ctas_per_sm", [1, 2, 3, 5])
+def test_sanitizer_cells_reach_every_listed_kernel(sms, ctas_per_sm):
+    """tools/sanitize_cells.py (the sanitizers' problem set in tools/gpu_suite.sh) reaches
+    every attention kernel with one split and with several, and every combine kernel, by the
+    plan replica, on either GPU's SM count and at any occupancy (the GPU run checks the
+    binding's own plans too)."""
+    import math
+
+    import sanitize_cells as sc
+
+    todo, want_attn, want_comb = sc.cells()
+    seen, split_ones, comb = set(), set(), set()
+    for _, kw, vec in todo:
+        cap = (math.ceil(max(kw["lens"]) / kw["page_size"]) + 1) * kw["page_size"]  # problems.py
+        H_q = kw["G"] * kw["H_kv"]
+        pl = vm.plan(kw["B"], H_q, kw["H_kv"], kw["Q"], kw["D"], cap, sms, ctas_per_sm)
+        key = (kw["D"], pl["mb"], vec)
+        (split_ones if pl["num_splits"] == 1 else seen).add(key)
+        if pl["num_splits"] > 1:
+            comb.add((kw["D"], sc.wpr(pl["num_splits"])))
+    assert split_ones >= want_attn and seen >= want_attn
+    assert comb == want_comb

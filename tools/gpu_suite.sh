@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session in one command: build the CUDA library, run the CUDA tests, compute-sanitizer
-# passes over small problems (memcheck, racecheck), and the benchmark smoke.
+# passes over small problems (memcheck, racecheck; and memcheck, racecheck, synccheck and
+# initcheck over every kernel the launcher can pick), and the benchmark smoke.
 #   tools/gpu_suite.sh LOGDIR [pytest -k expression]
-# Logs: LOGDIR/{info,build,tests,sanitizer,racecheck,bench}.log, LOGDIR/bench.json, LOGDIR/junit.xml.
+# Logs: LOGDIR/{info,build,tests,sanitizer,racecheck,all-<tool>,bench}.log, LOGDIR/bench.json,
+# LOGDIR/junit.xml.
 # Wheels for packages the GPU machine lacks may sit in .whl/ (installed to /tmp/site).
 set -uo pipefail
 out=${1:?usage: tools/gpu_suite.sh LOGDIR [pytest -k expression]}
@@ -32,6 +34,10 @@ step tests python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.x
   tests/test_cuda.py tests/test_compile_cuda.py tests/test_transformers_cuda.py tests/test_readme.py
 step sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sanitizer_smoke
 step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/racecheck_cells.py
+# Every kernel the launcher can pick (tools/sanitize_cells.py: 89 small cells) under each tool.
+for tool in memcheck racecheck synccheck initcheck; do
+  step "all-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 tools/sanitize_cells.py
+done
 if [ -f tools/bench.py ]; then
   step bench python3 tools/bench.py --smoke --json "$out/bench.json"
 fi

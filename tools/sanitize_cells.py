@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Every kernel the launcher can pick, each on a small problem, for compute-sanitizer's tools
+(tools/gpu_suite.sh runs memcheck, racecheck, synccheck and initcheck over it):
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tools/sanitize_cells.py
+
+The kernels are the lists of csrc/sm70attn/static_switch.h (as tools/sm70_check.py reads
+them): each attention kernel (D, MB, VEC) twice, with one split (fp16 output straight from the
+kernel) and with several (fp32 partials), and each combine kernel (D, WPR) through a decode
+long enough for its split count; store_kv on both of its paths. The plan the binding makes for
+each cell is read back (its `plan()` hook) and the run fails unless every listed kernel was
+reached, or if an output is not finite. Tables carry junk past the pages in use."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")]
+
+import torch  # noqa: E402
+from problems import make_problem, op_args  # noqa: E402
+from sm70_check import kernel_list  # noqa: E402
+
+import torch_sm70attn as sa  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def eight_byte_aligned(p):
+    """K and V of p as views of one buffer with an 8-byte pad per token (the VEC 8 path)."""
+    P, ps, H, D = p["key_cache"].shape
+    base = torch.zeros(P, ps, H, 2 * D + 8, dtype=torch.uint8, device="cuda")
+    base[..., :D] = p["key_cache"].view(torch.uint8)
+    base[..., D + 8 :] = p["value_cache"].view(torch.uint8)
+    p["key_cache"], p["value_cache"] = base[..., :D].view(FP8), base[..., D + 8 :].view(FP8)
+    return p
+
+
+def cells():
+    """(label, problem kwargs, VEC) covering every listed kernel."""
+    want_attn, want_comb = set(), set()
+    for name, *_ in kernel_list():
+        f = name.split()
+        if f[0] == "attn":
+            want_attn.add((int(f[1][1:]), int(f[2][2:]), int(f[3][3:])))
+        elif f[0] == "combine":
+            want_comb.add((int(f[1][1:]), int(f[2][3:])))
+    out = []
+    for D, mb, vec in sorted(want_attn):
+        # G 8 and Q = 2 MB - 1: 16 MB - 8 rows, one row group, padding rows in the last block
+        for lens in ([40, 7], [4000, 300]):  # one split; several (>= 2 x 16 x rows tokens)
+            kw = dict(B=2, H_kv=1, G=8, Q=2 * mb - 1, D=D, page_size=16, lens=lens)
+            out.append((f"attn D{D} MB{mb} VEC{vec} lens {lens}", kw, vec))
+    for D, wpr in sorted(
+        want_comb
+    ):  # decode G 4: 1 / 4 / 16 warps a row need <= 16 / <= 64 / more splits
+        ctx = {1: 1000, 4: 5000, 16: 40000}[wpr]
+        kw = dict(B=1, H_kv=1, G=4, Q=1, D=D, page_size=64, lens=[ctx])
+        out.append((f"combine D{D} WPR{wpr} ctx {ctx}", kw, 16))
+    return out, want_attn, want_comb
+
+
+def wpr(splits):
+    return 1 if splits <= 16 else 4 if splits <= 64 else 16
+
+
+def main():
+    lib = sa.ops.load_cuda_kernels()
+    todo, want_attn, want_comb = cells()
+    seen_attn, seen_comb, bad = set(), set(), 0
+    for label, kw, vec in todo:
+        p = make_problem(device="cuda", **kw)
+        if vec == 8:
+            p = eight_byte_aligned(p)
+        cap = p["block_table"].shape[1] * p["key_cache"].shape[1]
+        H_q = kw["G"] * kw["H_kv"]
+        pl = lib.plan(kw["B"], H_q, kw["H_kv"], kw["Q"], kw["D"], cap, vec, 0)
+        out = torch.ops.sm70attn.paged_attention(*op_args(p))
+        torch.cuda.synchronize()
+        ok = bool(torch.isfinite(out).all())
+        bad += not ok
+        seen_attn.add((kw["D"], pl["mb"], vec))
+        if pl["num_splits"] > 1:
+            seen_comb.add((kw["D"], wpr(pl["num_splits"])))
+        print(f"{label}: mb {pl['mb']} splits {pl['num_splits']}", "finite" if ok else "NOT FINITE")
+    # store_kv: the 8-element path (aligned rows) and the element path (an odd head dim stride)
+    key = torch.randn(6, 2, 64, device="cuda").half()
+    kc = torch.zeros(4, 16, 2, 64, dtype=FP8, device="cuda")
+    slots = torch.tensor([0, 5, -1, 63, 17, 5], device="cuda")
+    sa.store_kv(key, key, kc, kc.clone(), slots)
+    odd = torch.randn(6, 2, 65, device="cuda").half()[..., 1:]
+    sa.store_kv(odd, odd, kc, kc.clone(), slots)
+    torch.cuda.synchronize()
+    missing = sorted(want_attn - seen_attn) + sorted(want_comb - seen_comb)
+    print(f"{len(todo)} cells, {len(seen_attn)} attention and {len(seen_comb)} combine kernels")
+    if missing:
+        print("kernels no cell reached:", missing)
+    return 1 if bad or missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
