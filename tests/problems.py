@@ -88,3 +88,27 @@ def op_args(p):
         p["k_scale"],
         p["v_scale"],
     )
+
+
+def random_geometry(rng) -> dict:
+    """make_problem keyword arguments of one random valid call (any head dim, group, rows,
+    batch, page size, lengths from 0 to past a few pages, layout, scale shape, query strides),
+    drawn from `rng` (a random.Random): the seeded sweeps of the GPU tests and sanitizers."""
+    B, Q = rng.randint(1, 4), rng.randint(1, 16)
+    page_size = rng.choice([1, 3, 16, 17, 64, 100, 1648])
+    top = rng.choice([40, 400, 3000])
+    lens = [rng.choice([0, rng.randint(0, Q), rng.randint(0, top)]) for _ in range(B)]
+    return dict(
+        B=B,
+        H_kv=rng.randint(1, 4),
+        G=rng.randint(1, 8),
+        Q=Q,
+        D=rng.choice([64, 128, 256]),
+        page_size=page_size,
+        lens=lens,
+        layout=rng.choice(["separate", "interleaved", "kv_first"]),
+        per_head_scale=rng.random() < 0.5,
+        transposed_query=rng.random() < 0.5,
+        extra_pages=rng.randint(0, 2),
+        seed=rng.randint(0, 2**31 - 1),
+    )

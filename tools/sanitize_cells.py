@@ -2,14 +2,16 @@
 """Every kernel the launcher can pick, each on a small problem, for compute-sanitizer's tools
 (tools/gpu_suite.sh runs memcheck, racecheck, synccheck and initcheck over it):
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python tools/sanitize_cells.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tools/sanitize_cells.py [--sweep N]
 
 The kernels are the lists of csrc/sm70attn/static_switch.h (as tools/sm70_check.py reads
 them): each attention kernel (D, MB, VEC) twice, with one split (fp16 output straight from the
 kernel) and with several (fp32 partials), and each combine kernel (D, WPR) through a decode
 long enough for its split count; store_kv on both of its paths. The plan the binding makes for
 each cell is read back (its `plan()` hook) and the run fails unless every listed kernel was
-reached, or if an output is not finite. Tables carry junk past the pages in use."""
+reached, or if an output is not finite. Tables carry junk past the pages in use. --sweep N adds N
+seeded random valid calls (tests/problems.py: random_geometry, the GPU tests' sweep), each
+checked against the reference route."""
 
 import sys
 from pathlib import Path
@@ -64,7 +66,30 @@ def wpr(splits):
     return 1 if splits <= 16 else 4 if splits <= 64 else 16
 
 
+def sweep(n):
+    import random
+
+    from problems import random_geometry
+
+    rng, bad = random.Random(1301), 0
+    for i in range(n):
+        g = random_geometry(rng)
+        p = make_problem(device="cuda", **g)
+        out = torch.ops.sm70attn.paged_attention(*op_args(p))
+        ref = sa.ops._paged_attention_ref(*op_args(p))
+        err = float((out.float() - ref.float()).abs().max()) if out.numel() else 0.0
+        ok = bool(torch.isfinite(out).all()) and err <= 2e-2
+        bad += not ok
+        print(f"sweep {i}: {g} max |op - reference| {err:.2e}", "ok" if ok else "BAD")
+    return bad
+
+
 def main():
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sweep", type=int, default=0, help="random valid calls to add")
+    args = ap.parse_args()
     lib = sa.ops.load_cuda_kernels()
     todo, want_attn, want_comb = cells()
     seen_attn, seen_comb, bad = set(), set(), 0
@@ -91,6 +116,7 @@ def main():
     odd = torch.randn(6, 2, 65, device="cuda").half()[..., 1:]
     sa.store_kv(odd, odd, kc, kc.clone(), slots)
     torch.cuda.synchronize()
+    bad += sweep(args.sweep)
     missing = sorted(want_attn - seen_attn) + sorted(want_comb - seen_comb)
     print(f"{len(todo)} cells, {len(seen_attn)} attention and {len(seen_comb)} combine kernels")
     if missing:
