@@ -280,6 +280,66 @@ def test_two_streams_at_once():
         assert torch.equal(oa, want_a) and torch.equal(ob, want_b)
 
 
+def test_two_threads_at_once():
+    """Two Python threads calling the op at once, each on its own stream, as a server's request
+    threads would: every result bitwise the one-thread result (the binding's plan caches and
+    hooks are shared between them)."""
+    import threading
+
+    pa = make_problem(B=2, H_kv=1, G=6, Q=8, D=256, page_size=1648, lens=[9000, 300], device=DEV)
+    pb = make_problem(B=3, H_kv=2, G=4, Q=1, D=128, page_size=16, lens=[5000, 1, 0], device=DEV)
+    want = {id(pa): op(pa), id(pb): op(pb)}
+    torch.cuda.synchronize()
+    errors = []
+    start = threading.Barrier(2)
+
+    def worker(p):
+        try:
+            stream = torch.cuda.Stream()
+            start.wait()
+            with torch.cuda.stream(stream):
+                for i in range(100):
+                    out = op(p)
+                    stream.synchronize()
+                    if not torch.equal(out, want[id(p)]):
+                        errors.append(f"call {i} differs")
+        except Exception as e:  # noqa: BLE001 (reported below, with the thread's others)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(p,)) for p in (pa, pb)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+
+
+def test_a_hundred_thousand_replays_with_changing_lengths():
+    """One captured call replayed 100,000 times, its lengths changed before each replay: no
+    allocation grows, and the last replay still equals an eager call."""
+    B, ps = 4, 16
+    p = make_problem(B=B, H_kv=2, G=4, Q=4, D=128, page_size=ps, lens=[300] * B, device=DEV)
+    cap = p["block_table"].shape[1] * ps
+    lens = torch.randint(0, cap + 1, (1000, B), dtype=torch.int32, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        op(p)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = op(p)
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    for i in range(100_000):
+        p["seq_lens"].copy_(lens[i % 1000])
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.cuda.memory_reserved() == reserved
+    assert torch.equal(out, op(p))
+
+
 # --- invalid inputs: never outside the caches ----------------------------------------
 def test_lengths_beyond_capacity_are_clamped(record):
     p = make_problem(B=2, G=6, Q=8, D=256, page_size=16, lens=[40, 50], extra_pages=0, device=DEV)

@@ -126,3 +126,31 @@ def test_a_library_that_does_not_load_says_what_to_delete(monkeypatch, tmp_path)
     monkeypatch.setattr(cpp_extension, "load", load)
     with pytest.raises(RuntimeError, match="killed half way, delete .* and retry"):
         _jit.load.__wrapped__()
+
+
+def test_processes_staging_at_once_agree(tmp_path):
+    """Four processes stage the same sources into one build directory at once (two servers
+    starting together): each ends with the complete copy and none leaves a private one."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "build" / "sm70attn_x"
+    out.mkdir(parents=True)
+    go = tmp_path / "go"
+    code = (
+        "import sys, time, pathlib\n"
+        "from torch_sm70attn import _jit\n"
+        f"go = pathlib.Path({str(go)!r})\n"
+        "while not go.exists(): time.sleep(0.001)\n"
+        f"src = _jit.stage_sources(pathlib.Path({str(out)!r}))\n"
+        "assert _jit._same_tree(_jit.csrc_dir(), src)\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE) for _ in range(4)
+    ]
+    time.sleep(1.0)  # let them import and wait
+    go.touch()
+    errs = [p.communicate(timeout=120)[1].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), errs
+    assert _jit._same_tree(CSRC, out / "src")
+    assert not list(out.glob("src.tmp-*"))
