@@ -132,6 +132,29 @@ def test_capacity_above_the_manifest_takes_the_reference_route(dev, monkeypatch)
     close(out, p)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_same_request_other_slot_and_pages_is_bitwise_the_same(dev):
+    """A request's result depends on its values only: moved to another batch slot, its pages
+    copied to other page ids, beside other requests, it gives the same bits (the split plan
+    depends on shapes, never on B, positions or page ids)."""
+    p = problem(dev, B=3, lens=[700, 40, 333], page_size=16, D=128, Q=4)
+    out = run(p)
+    P, width = p["key_cache"].shape[0], p["block_table"].shape[1]
+    moved = dict(p)
+    order = [2, 0, 1]  # request 0 goes to slot 1
+    for k in ("query", "seq_lens", "block_table"):
+        moved[k] = p[k][order].clone()
+    # every page of the cache to a new id: page i -> P - 1 - i
+    flip = torch.arange(P - 1, -1, -1, device=p["key_cache"].device)
+    moved["key_cache"], moved["value_cache"] = p["key_cache"][flip], p["value_cache"][flip]
+    bt = moved["block_table"]
+    moved["block_table"] = torch.where((bt >= 0) & (bt < P), P - 1 - bt, bt)
+    assert moved["block_table"].shape[1] == width
+    got = run(moved)
+    for new, old in enumerate(order):
+        assert torch.equal(got[new], out[old]), (new, old)
+
+
 # --- cache values --------------------------------------------------------------------------
 def _codes(p, which, codes, request=0, token=0):
     """Write e4m3 codes (bytes) into the first len(codes) elements of one token of one KV
