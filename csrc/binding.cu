@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/pybind11.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor arguments of the pybind test hook
 #include <torch/library.h>
 
 #include <algorithm>

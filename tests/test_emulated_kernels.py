@@ -33,6 +33,7 @@ CASES = [
     "vec8",
     "combine",
     "atoms",
+    "nanrow",
     "plan",
 ]
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

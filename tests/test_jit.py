@@ -154,3 +154,22 @@ def test_processes_staging_at_once_agree(tmp_path):
     assert all(p.returncode == 0 for p in procs), errs
     assert _jit._same_tree(CSRC, out / "src")
     assert not list(out.glob("src.tmp-*"))
+
+
+def test_only_the_digests_files_are_staged_writable(builder, tmp_path, monkeypatch):
+    """The copy holds what the digest covers and nothing else (an install's other files,
+    which two installs of one digest may not share, would make them copy in turns), and
+    without the install's mode bits (a read-only install's copy must stay deletable)."""
+    import stat
+
+    root = install(tmp_path, "venv", monkeypatch)
+    (root / "NOTES.txt").write_text("not a source")
+    for f in root.rglob("*"):
+        if f.is_file():
+            f.chmod(0o444)
+    _jit.load.__wrapped__()
+    src = _jit.build_dir(_jit.source_digest()) / "src"
+    assert not (src / "NOTES.txt").exists()
+    staged = [f for f in src.rglob("*") if f.is_file()]
+    assert len(staged) == len(_jit.source_files())
+    assert all(f.stat().st_mode & stat.S_IWUSR for f in staged)

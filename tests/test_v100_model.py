@@ -154,11 +154,12 @@ def test_sanitizer_cells_reach_every_listed_kernel(sms, ctas_per_sm):
 
     todo, want_attn, want_comb = sc.cells()
     seen, split_ones, comb = set(), set(), set()
-    for _, kw, vec in todo:
+    for _, kw, vec, several in todo:
         cap = (math.ceil(max(kw["lens"]) / kw["page_size"]) + 1) * kw["page_size"]  # problems.py
         H_q = kw["G"] * kw["H_kv"]
         pl = vm.plan(kw["B"], H_q, kw["H_kv"], kw["Q"], kw["D"], cap, sms, ctas_per_sm)
         key = (kw["D"], pl["mb"], vec)
+        assert (pl["num_splits"] > 1) == several, (kw, pl)
         (split_ones if pl["num_splits"] == 1 else seen).add(key)
         if pl["num_splits"] > 1:
             comb.add((kw["D"], sc.wpr(pl["num_splits"])))

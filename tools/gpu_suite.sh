@@ -31,7 +31,8 @@ step info python3 -m torch_sm70attn info
 step build python3 -m torch_sm70attn build
 # The CPU tests run in CI; here the CUDA ones (and the demo through them).
 step tests python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" ${sel:+-k "$sel"} \
-  tests/test_cuda.py tests/test_compile_cuda.py tests/test_transformers_cuda.py tests/test_readme.py
+  tests/test_cuda.py tests/test_compile_cuda.py tests/test_transformers_cuda.py tests/test_readme.py \
+  tests/test_adversarial.py
 step sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sanitizer_smoke
 step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/racecheck_cells.py
 # Every kernel the launcher can pick (tools/sanitize_cells.py: 89 small cells) under each tool.

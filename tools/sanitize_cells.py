@@ -39,7 +39,7 @@ def eight_byte_aligned(p):
 
 
 def cells():
-    """(label, problem kwargs, VEC) covering every listed kernel."""
+    """(label, problem kwargs, VEC, several splits wanted) covering every listed kernel."""
     want_attn, want_comb = set(), set()
     for name, *_ in kernel_list():
         f = name.split()
@@ -52,13 +52,13 @@ def cells():
         # G 8 and Q = 2 MB - 1: 16 MB - 8 rows, one row group, padding rows in the last block
         for lens in ([40, 7], [4000, 300]):  # one split; several (>= 2 x 16 x rows tokens)
             kw = dict(B=2, H_kv=1, G=8, Q=2 * mb - 1, D=D, page_size=16, lens=lens)
-            out.append((f"attn D{D} MB{mb} VEC{vec} lens {lens}", kw, vec))
+            out.append((f"attn D{D} MB{mb} VEC{vec} lens {lens}", kw, vec, lens[0] > 40))
     for D, wpr in sorted(
         want_comb
     ):  # decode G 4: 1 / 4 / 16 warps a row need <= 16 / <= 64 / more splits
         ctx = {1: 1000, 4: 5000, 16: 40000}[wpr]
         kw = dict(B=1, H_kv=1, G=4, Q=1, D=D, page_size=64, lens=[ctx])
-        out.append((f"combine D{D} WPR{wpr} ctx {ctx}", kw, 16))
+        out.append((f"combine D{D} WPR{wpr} ctx {ctx}", kw, 16, True))
     return out, want_attn, want_comb
 
 
@@ -93,7 +93,7 @@ def main():
     lib = sa.ops.load_cuda_kernels()
     todo, want_attn, want_comb = cells()
     seen_attn, seen_comb, bad = set(), set(), 0
-    for label, kw, vec in todo:
+    for label, kw, vec, several in todo:
         p = make_problem(device="cuda", **kw)
         if vec == 8:
             p = eight_byte_aligned(p)
@@ -102,12 +102,15 @@ def main():
         pl = lib.plan(kw["B"], H_q, kw["H_kv"], kw["Q"], kw["D"], cap, vec, 0)
         out = torch.ops.sm70attn.paged_attention(*op_args(p))
         torch.cuda.synchronize()
-        ok = bool(torch.isfinite(out).all())
+        ok = bool(torch.isfinite(out).all()) and (pl["num_splits"] > 1) == several
         bad += not ok
         seen_attn.add((kw["D"], pl["mb"], vec))
         if pl["num_splits"] > 1:
             seen_comb.add((kw["D"], wpr(pl["num_splits"])))
-        print(f"{label}: mb {pl['mb']} splits {pl['num_splits']}", "finite" if ok else "NOT FINITE")
+        print(
+            f"{label}: mb {pl['mb']} splits {pl['num_splits']}",
+            "ok" if ok else "NOT FINITE or other splits",
+        )
     # store_kv: the 8-element path (aligned rows) and the element path (an odd head dim stride)
     key = torch.randn(6, 2, 64, device="cuda").half()
     kc = torch.zeros(4, 16, 2, 64, dtype=FP8, device="cuda")

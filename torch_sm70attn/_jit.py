@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -49,9 +50,12 @@ def arch_list() -> str:
     return "none"
 
 
+SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
+
+
 def source_files() -> list[Path]:
     root = csrc_dir()
-    return sorted(p for p in root.rglob("*") if p.suffix in (".cu", ".cuh", ".h", ".cpp"))
+    return sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES)
 
 
 def source_digest(arch: str | None = None) -> str:
@@ -95,23 +99,31 @@ def _make_dir(path: Path) -> None:
         ) from None
 
 
+def _sources(root: Path) -> list[Path]:
+    """The files the digest covers, relative to root."""
+    return sorted(p.relative_to(root) for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES)
+
+
 def _same_tree(a: Path, b: Path) -> bool:
-    files = [p.relative_to(a) for p in sorted(a.rglob("*")) if p.is_file()]
-    other = [p.relative_to(b) for p in sorted(b.rglob("*")) if p.is_file()]
-    return files == other and all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+    """Whether b holds a's sources (the files the digest covers), byte for byte."""
+    files = _sources(a)
+    return files == _sources(b) and all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
 
 
 def stage_sources(out: Path) -> Path:
-    """out/src: a copy of csrc/ (what the digest covers), made once and by one process: a
-    copy under a private name is renamed into place, and a loser of the race drops its own."""
+    """out/src: a copy of csrc/'s sources (what the digest covers), made once and by one
+    process: a copy under a private name is renamed into place, and a loser of the race drops
+    its own. Plain file copies (no mode bits: a read-only install's must stay deletable)."""
     src, root = out / "src", csrc_dir()
     if src.is_dir() and _same_tree(root, src):
         return src
-    if src.exists():  # another digest's leftovers cannot be here (the digest names out); a
-        shutil.rmtree(src, ignore_errors=True)  # partial copy of an older version can
-    tmp = out / f"src.tmp-{os.getpid()}"
+    if src.exists():  # a partial copy of an older version of this code can be here
+        shutil.rmtree(src, ignore_errors=True)
+    tmp = out / f"src.tmp-{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(root, tmp, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in _sources(root):
+        (tmp / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(root / f, tmp / f)
     try:
         os.rename(tmp, src)
     except OSError:  # another process put its copy first

@@ -15,8 +15,8 @@ namespace sm70attn {
 // over the partials, U loads in flight per lane: a latency-bound combine of a few rows reads
 // all of its partials at once); then, with WPR > 1, the row's warps' results are merged in warp
 // order. The order depends on num_splits only (WPR is a function of it). Splits that saw
-// nothing (m = -inf) weigh 0. With WPR = 1 and S <= 16 the sums are those of WPR = 16 term by
-// term: one pass adds w_s x_s in split order either way.
+// nothing (m = -inf) weigh 0; a NaN partial makes the row NaN. With WPR = 1 and S <= 16 the
+// sums are those of WPR = 16 term by term: one pass adds w_s x_s in split order either way.
 template <class CT>
 __global__ void __launch_bounds__(CT::THREADS, CT::MIN_BLOCKS) combine_kernel(const PagedAttnParams p) {
   constexpr int D = CT::D, W = CT::WARPS, WPR = CT::WPR, U = CT::U, CW = CT::CW;
@@ -38,6 +38,9 @@ __global__ void __launch_bounds__(CT::THREADS, CT::MIN_BLOCKS) combine_kernel(co
       const int s = s0 + u * WPR;
       x[u] = 0.f, e[u] = make_float2(neg_inf(), 0.f);
       if (s < S) x[u] = pa[(i64)s * D], e[u] = ml[s];
+      // A split whose sum is NaN (NaN in its query row or k_scale: fmaxf left its max at
+      // -inf) gets max +inf, so it weighs NaN and the row comes out NaN, not 0.
+      if (e[u].y != e[u].y) e[u].x = -neg_inf();
     }
     float mx = m;
 #pragma unroll
