@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 
+def table_width(lens, page_size, extra_pages=1) -> int:
+    """Columns of make_problem's block table: the longest request's pages plus extra_pages."""
+    return max([-(-max(L, 0) // page_size) for L in lens] + [1]) + extra_pages
+
+
 def make_problem(
     B=2,
     H_kv=2,
@@ -14,7 +19,8 @@ def make_problem(
     page_size=16,
     lens=None,
     *,
-    layout="separate",  # "separate", "interleaved" ([P, ps, H, 2, D]) or "kv_first" ([P, 2, ps, H, D])
+    layout="separate",  # "separate", "interleaved" ([P, ps, H, 2, D]), "kv_first" ([P, 2, ps, H, D])
+    # or "padded" ([P, ps, H, 2 D + 8]: K then 8 bytes then V, rows 8- but not 16-byte aligned)
     per_head_scale=True,
     transposed_query=False,
     extra_pages=1,
@@ -27,7 +33,7 @@ def make_problem(
     if lens is None:
         lens = torch.randint(Q, 3 * page_size + Q + 1, (B,), generator=gen).tolist()
     need = [-(-max(L, 0) // page_size) for L in lens]
-    max_pages = max(need + [1]) + extra_pages
+    max_pages = table_width(lens, page_size, extra_pages)
     P = sum(need) + 3
     perm = torch.randperm(P, generator=gen)
     bt = torch.where(torch.arange(max_pages) % 2 == 0, -1, P + 5).repeat(B, 1).int()
@@ -53,6 +59,9 @@ def make_problem(
     elif layout == "kv_first":
         kv = fp8((P, 2, page_size, H_kv, D))
         kc, vc = kv[:, 0], kv[:, 1]
+    elif layout == "padded":
+        kv = fp8((P, page_size, H_kv, 2 * D + 8))
+        kc, vc = kv[..., :D], kv[..., D + 8 :]
     else:
         raise ValueError(layout)
     n_scale = H_kv if per_head_scale else 1
@@ -106,7 +115,7 @@ def random_geometry(rng) -> dict:
         D=rng.choice([64, 128, 256]),
         page_size=page_size,
         lens=lens,
-        layout=rng.choice(["separate", "interleaved", "kv_first"]),
+        layout=rng.choice(["separate", "interleaved", "kv_first", "padded"]),
         per_head_scale=rng.random() < 0.5,
         transposed_query=rng.random() < 0.5,
         extra_pages=rng.randint(0, 2),

@@ -148,20 +148,19 @@ def test_sanitizer_cells_reach_every_listed_kernel(sms, ctas_per_sm):
     every attention kernel with one split and with several, and every combine kernel, by the
     plan replica, on either GPU's SM count and at any occupancy (the GPU run checks the
     binding's own plans too)."""
-    import math
-
     import sanitize_cells as sc
+    from problems import table_width
 
     todo, want_attn, want_comb = sc.cells()
     seen, split_ones, comb = set(), set(), set()
     for _, kw, vec, several in todo:
-        cap = (math.ceil(max(kw["lens"]) / kw["page_size"]) + 1) * kw["page_size"]  # problems.py
+        cap = table_width(kw["lens"], kw["page_size"]) * kw["page_size"]
         H_q = kw["G"] * kw["H_kv"]
         pl = vm.plan(kw["B"], H_q, kw["H_kv"], kw["Q"], kw["D"], cap, sms, ctas_per_sm)
         key = (kw["D"], pl["mb"], vec)
         assert (pl["num_splits"] > 1) == several, (kw, pl)
         (split_ones if pl["num_splits"] == 1 else seen).add(key)
         if pl["num_splits"] > 1:
-            comb.add((kw["D"], sc.wpr(pl["num_splits"])))
+            comb.add((kw["D"], vm.combine_warps_per_row(pl["num_splits"])))
     assert split_ones >= want_attn and seen >= want_attn
     assert comb == want_comb

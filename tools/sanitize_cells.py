@@ -21,37 +21,25 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")]
 
 import torch  # noqa: E402
 from problems import make_problem, op_args  # noqa: E402
-from sm70_check import kernel_list  # noqa: E402
+from sm70_check import switch_entries  # noqa: E402
+from v100_model import combine_warps_per_row  # noqa: E402
 
 import torch_sm70attn as sa  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
 
-def eight_byte_aligned(p):
-    """K and V of p as views of one buffer with an 8-byte pad per token (the VEC 8 path)."""
-    P, ps, H, D = p["key_cache"].shape
-    base = torch.zeros(P, ps, H, 2 * D + 8, dtype=torch.uint8, device="cuda")
-    base[..., :D] = p["key_cache"].view(torch.uint8)
-    base[..., D + 8 :] = p["value_cache"].view(torch.uint8)
-    p["key_cache"], p["value_cache"] = base[..., :D].view(FP8), base[..., D + 8 :].view(FP8)
-    return p
-
-
 def cells():
     """(label, problem kwargs, VEC, several splits wanted) covering every listed kernel."""
-    want_attn, want_comb = set(), set()
-    for name, *_ in kernel_list():
-        f = name.split()
-        if f[0] == "attn":
-            want_attn.add((int(f[1][1:]), int(f[2][2:]), int(f[3][3:])))
-        elif f[0] == "combine":
-            want_comb.add((int(f[1][1:]), int(f[2][3:])))
+    want_attn = set(switch_entries("SM70ATTN_ATTN_KERNELS"))
+    want_comb = set(switch_entries("SM70ATTN_COMBINE_KERNELS"))
     out = []
     for D, mb, vec in sorted(want_attn):
         # G 8 and Q = 2 MB - 1: 16 MB - 8 rows, one row group, padding rows in the last block
         for lens in ([40, 7], [4000, 300]):  # one split; several (>= 2 x 16 x rows tokens)
             kw = dict(B=2, H_kv=1, G=8, Q=2 * mb - 1, D=D, page_size=16, lens=lens)
+            if vec == 8:
+                kw["layout"] = "padded"
             out.append((f"attn D{D} MB{mb} VEC{vec} lens {lens}", kw, vec, lens[0] > 40))
     for D, wpr in sorted(
         want_comb
@@ -60,10 +48,6 @@ def cells():
         kw = dict(B=1, H_kv=1, G=4, Q=1, D=D, page_size=64, lens=[ctx])
         out.append((f"combine D{D} WPR{wpr} ctx {ctx}", kw, 16, True))
     return out, want_attn, want_comb
-
-
-def wpr(splits):
-    return 1 if splits <= 16 else 4 if splits <= 64 else 16
 
 
 def sweep(n):
@@ -95,8 +79,6 @@ def main():
     seen_attn, seen_comb, bad = set(), set(), 0
     for label, kw, vec, several in todo:
         p = make_problem(device="cuda", **kw)
-        if vec == 8:
-            p = eight_byte_aligned(p)
         cap = p["block_table"].shape[1] * p["key_cache"].shape[1]
         H_q = kw["G"] * kw["H_kv"]
         pl = lib.plan(kw["B"], H_q, kw["H_kv"], kw["Q"], kw["D"], cap, vec, 0)
@@ -106,7 +88,7 @@ def main():
         bad += not ok
         seen_attn.add((kw["D"], pl["mb"], vec))
         if pl["num_splits"] > 1:
-            seen_comb.add((kw["D"], wpr(pl["num_splits"])))
+            seen_comb.add((kw["D"], combine_warps_per_row(pl["num_splits"])))
         print(
             f"{label}: mb {pl['mb']} splits {pl['num_splits']}",
             "ok" if ok else "NOT FINITE or other splits",

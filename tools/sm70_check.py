@@ -61,21 +61,23 @@ def wheel_paths():
     sys.exit(f"libnvrtc.so.12, ptxas or the CUDA headers not found under {list(nvidia.__path__)}")
 
 
+def switch_entries(macro: str) -> list[tuple[int, ...]]:
+    """The X(...) entries of one kernel list of static_switch.h, as int tuples: (D, MB, VEC) of
+    SM70ATTN_ATTN_KERNELS, (D, WPR) of SM70ATTN_COMBINE_KERNELS."""
+    text = open(SWITCH).read()
+    m = re.search(rf"#define {macro}\(X\)((?:.*\\\n)*.*)", text)
+    if not m:
+        sys.exit(f"{macro} not found in {SWITCH}")
+    return [tuple(map(int, e.split(","))) for e in re.findall(r"X\(([\d,\s]+)\)", m.group(1))]
+
+
 def kernel_list():
     """[(name, header, explicit instantiation, traits type or None)] of every launchable kernel."""
-    text = open(SWITCH).read()
-
-    def entries(macro):
-        m = re.search(rf"#define {macro}\(X\)((?:.*\\\n)*.*)", text)
-        if not m:
-            sys.exit(f"{macro} not found in {SWITCH}")
-        return [tuple(map(int, e.split(","))) for e in re.findall(r"X\(([\d,\s]+)\)", m.group(1))]
-
     out = []
-    for d, mb, vec in entries("SM70ATTN_ATTN_KERNELS"):
+    for d, mb, vec in switch_entries("SM70ATTN_ATTN_KERNELS"):
         kt = f"sm70attn::AttnTraits<{d}, {mb}, {vec}>"
         out.append((f"attn D{d} MB{mb} VEC{vec}", "paged_attention.cuh", ATTN.format(kt), kt))
-    for d, wpr in entries("SM70ATTN_COMBINE_KERNELS"):
+    for d, wpr in switch_entries("SM70ATTN_COMBINE_KERNELS"):
         ct = f"sm70attn::CombineTraits<{d}, {wpr}>"
         out.append((f"combine D{d} WPR{wpr}", "combine.cuh", COMBINE.format(ct), ct))
     out.append(("store_kv", "store_kv.cuh", "", None))

@@ -53,9 +53,14 @@ def arch_list() -> str:
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
 
 
+def _sources(root: Path) -> list[Path]:
+    """The files the digest covers, relative to root (a csrc/ tree), in a fixed order."""
+    return sorted(p.relative_to(root) for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES)
+
+
 def source_files() -> list[Path]:
     root = csrc_dir()
-    return sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES)
+    return [root / f for f in _sources(root)]
 
 
 def source_digest(arch: str | None = None) -> str:
@@ -97,11 +102,6 @@ def _make_dir(path: Path) -> None:
             f"torch_sm70attn: cannot write the CUDA build directory {path} ({e}): set "
             "TORCH_SM70ATTN_BUILD_DIR to a writable directory"
         ) from None
-
-
-def _sources(root: Path) -> list[Path]:
-    """The files the digest covers, relative to root."""
-    return sorted(p.relative_to(root) for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES)
 
 
 def _same_tree(a: Path, b: Path) -> bool:

@@ -54,7 +54,7 @@ def paged_attention(query, key_cache, value_cache, block_table, seq_lens, scale,
             acc = acc * alpha[..., None] + torch.bmm(p, v.transpose(0, 1))
             m = m_new
         # a row that saw no key (m = -inf) is 0; NaN from the inputs (l or acc NaN) stays NaN
-        o = torch.where(m[..., None] == float("-inf"), 0.0, acc / l.clamp_min(1e-30)[..., None])
+        o = torch.where(m[..., None] == float("-inf"), 0.0, acc / l[..., None])
         out[b] = o.reshape(H_q, Q, D).to(torch.float16)
     return out
 
