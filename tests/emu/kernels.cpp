@@ -156,10 +156,12 @@ void check(const char* name, Problem& p, int num_sms, int force_splits = 0) {
   int splits;
   auto out = run(p, num_sms, &splits, force_splits);
   auto ref = reference(p);
+  // NaN where the reference is NaN (NaN inputs), nowhere else
   double max_err = 0, max_ref = 0, worst = 0; bool nan = false;
-  for (size_t i = 0; i < ref.size(); ++i) max_ref = std::max(max_ref, std::fabs(ref[i]));
+  for (size_t i = 0; i < ref.size(); ++i) if (!std::isnan(ref[i])) max_ref = std::max(max_ref, std::fabs(ref[i]));
   for (size_t i = 0; i < ref.size(); ++i) {
     const double o = __half2float(__ushort_as_half(out[i]));
+    if (std::isnan(ref[i])) { nan |= !std::isnan(o); continue; }
     if (std::isnan(o)) nan = true;
     max_err = std::max(max_err, std::fabs(o - ref[i]));
     // fp16 output rounding (2^-11 relative) + fp16 P (2^-11 of the row's value scale)
@@ -265,26 +267,10 @@ int main(int argc, char** argv) {
     Problem p = make(2, 4, 2, 3, 64, 16, 80, 40, 0, true);
     p.seq_lens = {600, 200};
     const_cast<unsigned short&>(qat(p, 0, 1, 2, 5)) = 0x7E00;  // request 0, query head 1, row 2
-    const auto ref = reference(p);
     for (int sp : {1, 5, 30, 100}) {
-      const auto out = run(p, 4, nullptr, sp);
-      bool ok = true, nan_row = true;
-      double max_ref = 0, worst = 0;
-      for (size_t i = 0; i < ref.size(); ++i) if (!std::isnan(ref[i])) max_ref = std::max(max_ref, std::fabs(ref[i]));
-      for (int b = 0; b < p.B; ++b)
-        for (int h = 0; h < p.H_q; ++h)
-          for (int r = 0; r < p.Q; ++r)
-            for (int d = 0; d < p.D; ++d) {
-              const size_t i = (((size_t)b * p.H_q + h) * p.Q + r) * p.D + d;
-              const double o = __half2float(__ushort_as_half(out[i]));
-              if (b == 0 && h == 1 && r == 2) { nan_row &= std::isnan(o); continue; }
-              ok &= !std::isnan(o);
-              worst = std::max(worst, std::fabs(o - ref[i]) / (std::fabs(ref[i]) * 0x1p-10 + max_ref * 0x1p-10));
-            }
-      ok &= nan_row && worst <= 1.0;
-      failures += !ok;
-      printf("nanrow splits %3d (WPR%2d)  that row %s, the others %.2f of tol %s\n", sp, combine_warps_per_row(sp),
-             nan_row ? "NaN" : "NOT NaN", worst, ok ? "ok" : "FAIL");
+      char name[64];
+      snprintf(name, sizeof name, "nanrow WPR%d s%d", combine_warps_per_row(sp), sp);
+      check(name, p, 4, sp);
     }
   }
   if (want("padwarps")) {  // shapes with warps of padding rows only, REGS and shared-memory row state, H_kv 3, row groups 3
