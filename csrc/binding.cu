@@ -9,7 +9,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/pybind11.h>
-#include <torch/csrc/utils/pybind.h>  // at::Tensor arguments of the pybind test hook
 #include <torch/library.h>
 
 #include <algorithm>
@@ -337,8 +336,8 @@ at::Tensor mma_atom_check_t(const at::Tensor& A, const at::Tensor& B, const at::
                     "mma_atom_check: A and B float16, C float32");
   TORCH_CHECK_VALUE(A.sizes().vec() == sa && B.sizes().vec() == sb && C.sizes().vec() == sc && A.is_contiguous() &&
                         B.is_contiguous() && C.is_contiguous(),
-                    "mma_atom_check: contiguous A [", At::GROUPS, ", ", At::M, ", ", At::K, "], B [", At::GROUPS, ", ",
-                    At::K, ", ", At::N, "], C [", At::GROUPS, ", ", At::M, ", ", At::N, "]");
+                    msg("mma_atom_check: contiguous A [", At::GROUPS, ", ", At::M, ", ", At::K, "], B [", At::GROUPS,
+                        ", ", At::K, ", ", At::N, "], C [", At::GROUPS, ", ", At::M, ", ", At::N, "]"));
   const c10::cuda::CUDAGuard guard(A.device());
   at::Tensor D = at::empty_like(C);
   D.fill_(std::nanf(""));  // poisoned: an element no lane writes stays NaN
@@ -349,7 +348,25 @@ at::Tensor mma_atom_check_t(const at::Tensor& A, const at::Tensor& B, const at::
   return D;
 }
 
+at::Tensor mma_atom_check(int64_t shape, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C) {
+  TORCH_CHECK_VALUE(shape == 884 || shape == 16816, "mma_atom_check: shape 884 (m8n8k4) or 16816 (m16n8k16)");
+  if (shape == 884) return mma_atom_check_t<sm70attn::MmaM8N8K4>(A, B, C);
+  TORCH_CHECK_VALUE(A.is_cuda(), "mma_atom_check: A, B and C must be on one CUDA device");
+  const c10::cuda::CUDAGuard guard(A.device());
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, A.get_device()));
+  TORCH_CHECK_VALUE(major >= 8, "mma_atom_check: m16n8k16 needs SM80 or newer");
+  return mma_atom_check_t<sm70attn::MmaM16N8K16>(A, B, C);
+}
+
 }  // namespace
+
+// Tests only, in a namespace of its own (tensors cross into C++ through the dispatcher, as the
+// ops' do): D = A B + C per group through one mma.sync atom (884: m8n8k4, 4 groups of 8x8x4;
+// 16816: m16n8k16, one group of 16x8x16) and the element maps of csrc/sm70attn/mma_atoms.h.
+TORCH_LIBRARY(sm70attn_test, m) {
+  m.def("mma_atom_check(int shape, Tensor A, Tensor B, Tensor C) -> Tensor", &mma_atom_check);
+}
 
 TORCH_LIBRARY_IMPL(sm70attn, CUDA, m) {
   m.impl("paged_attention", &paged_attention);
@@ -367,18 +384,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "benchmarks only: plan paged_attention for num_sms SMs holding at most as many CTAs as "
         "sm_smem_bytes of shared memory per SM would (0: the device's own)", pybind11::arg("num_sms") = 0,
         pybind11::arg("sm_smem_bytes") = 0);
-  m.def("mma_atom_check", [](int shape, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C) {
-          TORCH_CHECK_VALUE(shape == 884 || shape == 16816, "mma_atom_check: shape 884 (m8n8k4) or 16816 (m16n8k16)");
-          if (shape == 884) return mma_atom_check_t<sm70attn::MmaM8N8K4>(A, B, C);
-          const c10::cuda::CUDAGuard guard(A.device());
-          int major = 0;
-          C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, A.get_device()));
-          TORCH_CHECK_VALUE(major >= 8, "mma_atom_check: m16n8k16 needs SM80 or newer");
-          return mma_atom_check_t<sm70attn::MmaM16N8K16>(A, B, C);
-        },
-        "tests only: D = A B + C per group through one mma.sync atom (884: m8n8k4, 4 groups of 8x8x4; 16816: "
-        "m16n8k16, one group of 16x8x16) and the element maps of csrc/sm70attn/mma_atoms.h",
-        pybind11::arg("shape"), pybind11::arg("A"), pybind11::arg("B"), pybind11::arg("C"));
   m.def("plan", [](int64_t B, int64_t H_q, int64_t H_kv, int64_t Q, int64_t D, int64_t capacity, int vec, int device) {
           TORCH_CHECK_VALUE(B >= 1 && H_kv >= 1 && H_q >= H_kv && H_q % H_kv == 0 && H_q / H_kv <= 8 && Q >= 1 &&
                             Q <= 16 && capacity >= 0 && capacity <= (int64_t)INT_MAX - 1024 && (vec == 8 || vec == 16) &&

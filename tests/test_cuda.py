@@ -132,7 +132,8 @@ def test_mma_atom_element_maps_are_the_hardwares(shape):
     exact in fp32) in every group, and no element is left at the binding's NaN poison.
     m8n8k4 (SM70's shape: four quad-pair products) runs emulated by ptxas on newer GPUs;
     m16n8k16 needs SM80 and is refused before it."""
-    mod = ops.load_cuda_kernels()
+    ops.load_cuda_kernels()
+    check = torch.ops.sm70attn_test.mma_atom_check
     G, M, N, K = (4, 8, 8, 4) if shape == 884 else (1, 16, 8, 16)
     gen = torch.Generator().manual_seed(shape)
     A = torch.randint(-8, 9, (G, M, K), generator=gen).half().to(DEV)
@@ -140,13 +141,13 @@ def test_mma_atom_element_maps_are_the_hardwares(shape):
     C = torch.randint(-64, 65, (G, M, N), generator=gen).float().to(DEV)
     if shape == 16816 and torch.cuda.get_device_capability()[0] < 8:
         with pytest.raises(ValueError, match="SM80"):
-            mod.mma_atom_check(shape, A, B, C)
+            check(shape, A, B, C)
         return
-    D = mod.mma_atom_check(shape, A, B, C)
+    D = check(shape, A, B, C)
     want = torch.bmm(A.double(), B.double()) + C.double()
     assert torch.equal(D.double(), want), (D - want).abs().amax(dim=(1, 2))
     with pytest.raises(ValueError, match="contiguous A"):
-        mod.mma_atom_check(shape, A.transpose(1, 2), B, C)
+        check(shape, A.transpose(1, 2), B, C)
 
 
 def test_plan_matches_the_models_replica_and_the_override_keeps_results_right(record):
