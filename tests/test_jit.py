@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from torch.utils import cpp_extension
 
 from torch_sm70attn import _jit
@@ -173,3 +174,121 @@ def test_only_the_digests_files_are_staged_writable(builder, tmp_path, monkeypat
     staged = [f for f in src.rglob("*") if f.is_file()]
     assert len(staged) == len(_jit.source_files())
     assert all(f.stat().st_mode & stat.S_IWUSR for f in staged)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a real build)")
+def test_a_second_install_loads_the_first_ones_build(tmp_path):
+    """The real builder, on a GPU: a copy of the package and csrc/ at another path (a second
+    venv) loads the library the first install built, without rebuilding it (before the sources
+    were staged, torch's builder saw another include path and rebuilt in 39 s), and runs."""
+    import subprocess
+    import sys
+
+    digest = _jit.source_digest()
+    _jit.load()  # the first install's build (done already in the GPU suite)
+    out = _jit.build_dir(digest)
+    libs = sorted(out.glob(f"{_jit.module_name(digest)}*.so"))
+    assert libs, out
+    before = {p: p.stat().st_mtime_ns for p in libs}
+    root = Path(__file__).resolve().parents[1]
+    for d in ("torch_sm70attn", "csrc"):
+        shutil.copytree(root / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
+    code = (
+        "import torch, torch_sm70attn\n"
+        f"assert torch_sm70attn.__file__.startswith({str(tmp_path)!r}), torch_sm70attn.__file__\n"
+        "from torch_sm70attn import _jit\n"
+        f"assert _jit.source_digest() == {digest!r}\n"
+        "_jit.load()\n"
+        "print('loaded', _jit.build_dir(_jit.source_digest()))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    t0 = time.perf_counter()
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    took = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr
+    assert f"loaded {out}" in r.stdout
+    assert "building the CUDA kernels" not in r.stderr, r.stderr
+    assert {p: p.stat().st_mtime_ns for p in libs} == before  # not relinked
+    assert took < 60, took
+
+
+LOAD = "from torch_sm70attn import _jit\nprint('digest', _jit.load().digest(), flush=True)\n"
+
+
+def _child(env, **kw):
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-c", LOAD],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a real build)")
+def test_two_processes_build_one_digest_at_once(tmp_path):
+    """The real builder, on a GPU: two processes start on an empty build directory at once (two
+    servers starting together): one builds, the other waits for it, both load the one library."""
+    env = dict(os.environ, TORCH_SM70ATTN_BUILD_DIR=str(tmp_path / "build"))
+    procs = [_child(env) for _ in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+    digest = _jit.source_digest()
+    assert all(f"digest {digest}" in o for o, _ in outs), outs
+    assert len(list((tmp_path / "build").rglob("*.so"))) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a real build)")
+def test_a_build_killed_half_way_says_what_to_delete_then_rebuilds(tmp_path):
+    """The real builder, on a GPU: a build killed half way (SIGKILL to its process group, so
+    nvcc too) leaves torch's lock; the next process says to delete it (and waits, as torch's
+    builder does, for a build that might still be running); once it is deleted, the next one
+    rebuilds and loads (or, if the killed build left a library that does not load, says to
+    delete the directory, and the one after that rebuilds)."""
+    import signal
+    import threading
+
+    env = dict(os.environ, TORCH_SM70ATTN_BUILD_DIR=str(tmp_path / "build"))
+    digest = _jit.source_digest()
+    out = tmp_path / "build" / _jit.module_name(digest)
+    lock = out / "lock"
+    a = _child(env, start_new_session=True)
+    t0 = time.monotonic()
+    while not lock.exists():
+        assert a.poll() is None and time.monotonic() - t0 < 120, "no build started"
+        time.sleep(0.2)
+    time.sleep(15)  # nvcc is compiling (a build takes about a minute)
+    assert a.poll() is None, "the build ended before it could be killed"
+    os.killpg(a.pid, signal.SIGKILL)
+    a.communicate()
+    assert lock.exists()
+
+    b = _child(env)
+    stop = threading.Timer(120, b.kill)
+    stop.start()
+    told = next((line for line in b.stderr if "delete" in line), "")
+    stop.cancel()
+    b.kill()
+    b.communicate()
+    assert str(lock) in told, told
+
+    lock.unlink()
+    for attempt in range(2):
+        c = _child(env)
+        o, e = c.communicate(timeout=900)
+        if c.returncode == 0:
+            break
+        assert attempt == 0 and f"delete {out} and retry" in e, e
+        shutil.rmtree(out)
+    assert f"digest {digest}" in o

@@ -3,6 +3,7 @@
 # passes over small problems (memcheck, racecheck; and memcheck, racecheck, synccheck and
 # initcheck over every kernel the launcher can pick), and the benchmark smoke.
 #   tools/gpu_suite.sh LOGDIR [pytest -k expression]
+# SUITE_STEPS="tests all-memcheck ..." runs only the steps named (info and build always run).
 # Logs: LOGDIR/{info,build,tests,sanitizer,racecheck,all-<tool>,bench}.log, LOGDIR/bench.json,
 # LOGDIR/junit.xml.
 # Wheels for packages the GPU machine lacks may sit in .whl/ (installed to /tmp/site).
@@ -21,6 +22,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log
 status=0
 step() {  # step NAME CMD...: run, log, remember failure, print one line
   local name=$1; shift
+  if [ -n "${SUITE_STEPS:-}" ] && [[ " info build $SUITE_STEPS " != *" $name "* ]]; then return; fi
   local t0=$SECONDS
   "$@" >"$out/$name.log" 2>&1
   local rc=$?
@@ -32,7 +34,7 @@ step build python3 -m torch_sm70attn build
 # The CPU tests run in CI; here the CUDA ones (and the demo through them).
 step tests python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" ${sel:+-k "$sel"} \
   tests/test_cuda.py tests/test_compile_cuda.py tests/test_transformers_cuda.py tests/test_readme.py \
-  tests/test_adversarial.py
+  tests/test_adversarial.py tests/test_jit.py
 step sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sanitizer_smoke
 step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/racecheck_cells.py
 # Every kernel the launcher can pick (tools/sanitize_cells.py: 89 small cells) under each tool.
