@@ -100,7 +100,7 @@ def plan(B, H_q, H_kv, Q, D, capacity, num_sms, ctas_per_sm=2) -> dict:
     mb = cdiv(need, rg)
     min_split = max(4 * tile_tokens(D, mb), 16 * min(rows, 16 * mb))
     per_request = H_kv * rg
-    splits = cdiv(max(ctas_per_sm, 2) * num_sms, per_request)
+    splits = cdiv(max(ctas_per_sm, 1) * num_sms, per_request)
     splits = min(splits, max(1, capacity // min_split), MAX_SPLITS)
     wave = max(1, max(ctas_per_sm, 1) * num_sms // per_request)
     if splits > wave:

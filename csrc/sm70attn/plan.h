@@ -21,7 +21,8 @@ struct AttnPlan {
 // Depends on shapes and the SM count only, never on seq_lens values (one CUDA graph serves
 // every length <= capacity) nor on B (a request's result is bitwise the same alone or batched).
 // Splits: one request fills the SMs with ctas_per_sm resident CTAs each (the kernel's occupancy
-// on this device, measured by the launcher: attn_ctas_per_sm; at least 2), each split at least
+// on this device, measured by the launcher: attn_ctas_per_sm), one wave of them (a kernel of one
+// CTA per SM got two before: twice the fp32 partials for the same work), each split at least
 // 4 tiles and 16 tokens per query row (the fp32 partials of a split stay well under its KV
 // bytes), at most 512. More than one wave of a request's CTAs (ctas_per_sm x num_sms of them)
 // is rounded down to whole waves: a partial last wave costs a full CTA time while most SMs
@@ -36,7 +37,7 @@ inline AttnPlan plan_paged_attention(int B, int H_q, int H_kv, int Q, int D, i64
   const i64 cta_rows = std::min(rows, 16 * pl.mb);
   const i64 min_split = std::max<i64>(4 * attn_tile_tokens(D, pl.mb), 16 * cta_rows);
   const i64 per_request = (i64)H_kv * pl.row_groups;
-  i64 splits = (std::max(ctas_per_sm, 2) * (i64)num_sms + per_request - 1) / per_request;
+  i64 splits = (std::max(ctas_per_sm, 1) * (i64)num_sms + per_request - 1) / per_request;
   splits = std::min<i64>({splits, std::max<i64>(1, capacity / min_split), attn_max_splits()});
   const i64 wave = std::max<i64>(1, std::max(ctas_per_sm, 1) * (i64)num_sms / per_request);
   if (splits > wave) splits = splits / wave * wave;
