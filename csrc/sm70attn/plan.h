@@ -24,10 +24,11 @@ struct AttnPlan {
 // on this device, measured by the launcher: attn_ctas_per_sm), one wave of them (a kernel of one
 // CTA per SM got two before: twice the fp32 partials for the same work), each split at least
 // 4 tiles and 16 tokens per query row (the fp32 partials of a split stay well under its KV
-// bytes), at most 512. More than one wave of a request's CTAs (ctas_per_sm x num_sms of them)
-// is rounded down to whole waves: a partial last wave costs a full CTA time while most SMs
-// idle (verify at 128K: 170 splits of 13 tiles on 132 SMs, one CTA each, take 26 tile times;
-// 132 splits of 16 tiles take 16). ctas_per_sm depends on (D, mb, VEC) and the device only.
+// bytes), at most 512. A count above one wave (ctas_per_sm x num_sms over the CTAs a split
+// takes, rounded up) is rounded down to the wave: a partial last wave costs a full CTA time
+// while most SMs idle (as seen with two waves: verify at 128K on 132 SMs, 170 splits of 13
+// tiles took 26 tile times, 132 splits of 16 take 16). ctas_per_sm depends on (D, mb, VEC) and
+// the device only.
 inline AttnPlan plan_paged_attention(int B, int H_q, int H_kv, int Q, int D, i64 capacity,
                                      int num_sms, int ctas_per_sm = 2) {
   AttnPlan pl;

@@ -87,8 +87,9 @@ struct AttnTraits {
   static constexpr int WANT_BLOCKS = MB == 1 && FIT_BLOCKS < 3 ? 3 : FIT_BLOCKS;
   static constexpr int MIN_BLOCKS = WANT_BLOCKS < REG_BLOCKS ? WANT_BLOCKS : REG_BLOCKS;
   // A register budget 65536 / (THREADS * MIN_BLOCKS) of >= 160 (ROOMY) lets the QK^T loop over
-  // the D slices unroll fully (constant shared-memory offsets; else by 4; by 8 where 16 slices
-  // and more than 256 threads per SM would spill: D256 MB3) and, with at most two softmax
+  // the D slices unroll fully (constant shared-memory offsets; else by 4; in two chunks of 8
+  // from stepped pointers where 16 slices and more than 256 threads per SM would spill: D256
+  // MB3; paged_attention.cuh) and, with at most two softmax
   // passes per warp, the softmax keep its row state in registers (else shared memory): no
   // spills on SM70 either way.
   static constexpr bool ROOMY = 65536 / (THREADS * MIN_BLOCKS) >= 160;
@@ -102,6 +103,7 @@ struct AttnTraits {
   static_assert(16 % WN == 0 && DB % WN == 0, "row and column split over WN warps");
   static_assert(WN % KS == 0 && DB % KS == 0 && (KS == 1 || NB % WNS == 0), "QK^T split over D");
   static_assert(DPW <= 4, "fp32 O accumulators per thread (registers)");
+  static_assert(!ROOMY || DPK % QK_UNROLL == 0, "QK^T: whole chunks of slices");
   static_assert(WARPS <= 16, "threads per CTA");
   static_assert(CPT % TPK == 0 && ACTIVE <= THREADS, "gather layout");
   static_assert(S_OFF % 32 == 0 && V_OFF % 32 == 0 && N * 2 % 32 == 0, "WMMA 256-bit alignment");
