@@ -26,6 +26,15 @@ def test_the_runs_cover_both_geometries_and_grids():
     assert len(RUNS) == 224 and all(ms > 0 for _, ms, _, _ in RUNS)
 
 
+def test_sass_summary_is_of_these_kernels():
+    """docs/data/sass.json, which every V100 figure comes from, was built from today's kernel
+    headers (it went stale once: the combine's NaN guard was not in it for a session)."""
+    assert SASS["kernel_sources"] == vm.kernel_sources_digest(), (
+        "docs/data/sass.json is older than csrc/sm70attn/: rebuild it with "
+        "`python tools/v100_model.py --sass ...` (its docstring says where the disassemblers are)"
+    )
+
+
 @pytest.mark.parametrize("grid", ["full", "v100"])
 def test_plan_replica_equals_the_plans_the_gpu_made(grid):
     n = 0

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import math
 import os
@@ -168,7 +169,19 @@ def build_sass(nvdisasm70: str, nvdisasm90: str, nvcc: str, jobs: int) -> dict:
                 rest=r["kernel"]["total"] - r["main_loop"]["total"] - inner,
                 check=round(r["mac_check"], 3) if "mac_check" in r else None,
             )
+    out["kernel_sources"] = kernel_sources_digest()
     return out
+
+
+def kernel_sources_digest() -> str:
+    """A digest of the kernel headers (csrc/sm70attn/) the SASS summary is built from."""
+    h = hashlib.sha256()
+    root = os.path.join(ROOT, "csrc", "sm70attn")
+    for f in sorted(os.listdir(root)):
+        if f.endswith((".h", ".cuh")):
+            with open(os.path.join(root, f), "rb") as fh:
+                h.update(f.encode() + b"\0" + fh.read() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def load_sass() -> dict:
