@@ -239,14 +239,26 @@ def _child(env, **kw):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a real build)")
 def test_two_processes_build_one_digest_at_once(tmp_path):
     """The real builder, on a GPU: two processes start on an empty build directory at once (two
-    servers starting together): one builds, the other waits for it, both load the one library."""
+    servers starting together): one builds, the other waits for it, both load the one library,
+    and ninja compiled and linked once (its log has one entry per output)."""
+    import concurrent.futures
+
     env = dict(os.environ, TORCH_SM70ATTN_BUILD_DIR=str(tmp_path / "build"))
-    procs = [_child(env) for _ in range(2)]
-    outs = [p.communicate(timeout=900) for p in procs]
+    procs = [_child(env, start_new_session=True) for _ in range(2)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # read both pipes at once
+            outs = list(pool.map(lambda p: p.communicate(timeout=900), procs))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
     assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
     digest = _jit.source_digest()
     assert all(f"digest {digest}" in o for o, _ in outs), outs
     assert len(list((tmp_path / "build").rglob("*.so"))) == 1
+    log = tmp_path / "build" / _jit.module_name(digest)
+    steps = [ln.split("\t")[3] for ln in (log / ".ninja_log").read_text().splitlines()[1:]]
+    assert steps and len(steps) == len(set(steps)), steps  # no output built twice
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a real build)")
@@ -264,14 +276,17 @@ def test_a_build_killed_half_way_says_what_to_delete_then_rebuilds(tmp_path):
     out = tmp_path / "build" / _jit.module_name(digest)
     lock = out / "lock"
     a = _child(env, start_new_session=True)
-    t0 = time.monotonic()
-    while not lock.exists():
-        assert a.poll() is None and time.monotonic() - t0 < 120, "no build started"
-        time.sleep(0.2)
-    time.sleep(15)  # nvcc is compiling (a build takes about a minute)
-    assert a.poll() is None, "the build ended before it could be killed"
-    os.killpg(a.pid, signal.SIGKILL)
-    a.communicate()
+    try:
+        t0 = time.monotonic()
+        while not lock.exists():
+            assert a.poll() is None and time.monotonic() - t0 < 120, "no build started"
+            time.sleep(0.2)
+        time.sleep(15)  # nvcc is compiling (a build takes about a minute)
+        assert a.poll() is None, "the build ended before it could be killed"
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)  # the build's ninja and nvcc too
+        a.communicate()
     assert lock.exists()
 
     b = _child(env)

@@ -11,6 +11,7 @@ set -uo pipefail
 out=${1:?usage: tools/gpu_suite.sh LOGDIR [pytest -k expression]}
 sel=${2:-}
 mkdir -p "$out"
+rm -f "$out"/*.log "$out/junit.xml" "$out/bench.json"  # a reused LOGDIR shows this run's logs only
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
@@ -45,7 +46,7 @@ done
 if [ -f tools/bench.py ]; then
   step bench python3 tools/bench.py --smoke --json "$out/bench.json"
 fi
-echo "--- tests (tail)"; tail -n 25 "$out/tests.log"
-echo "--- sanitizer (tail)"; tail -n 5 "$out/sanitizer.log"
+[ -f "$out/tests.log" ] && { echo "--- tests (tail)"; tail -n 25 "$out/tests.log"; }
+[ -f "$out/sanitizer.log" ] && { echo "--- sanitizer (tail)"; tail -n 5 "$out/sanitizer.log"; }
 [ -f "$out/bench.log" ] && { echo "--- bench (tail)"; tail -n 30 "$out/bench.log"; }
 exit $status
