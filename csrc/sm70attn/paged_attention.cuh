@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
       constexpr int CH = KT::ROOMY ? KT::QK_UNROLL : KT::DPK;
 #pragma unroll 1
       for (int c = 0; c < KT::DPK / CH; ++c) {
-#pragma unroll(KT::ROOMY ? CH : KT::QK_UNROLL)
+#pragma unroll(KT::QK_UNROLL)
         for (int i = 0; i < CH; ++i) {
           FragA a;
           wmma::load_matrix_sync(a, qa + i * 16, KT::QLD);
