@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session in one command: build the CUDA library, run the CUDA tests, compute-sanitizer
-# passes over small problems (memcheck, racecheck; and memcheck, racecheck, synccheck and
-# initcheck over every kernel the launcher can pick), and the benchmark smoke.
+# passes (memcheck over small problems; memcheck, racecheck, synccheck and initcheck over every
+# kernel the launcher can pick), and the benchmark smoke.
 #   tools/gpu_suite.sh LOGDIR [pytest -k expression]
 # SUITE_STEPS="tests all-memcheck ..." runs only the steps named (info and build always run).
-# Logs: LOGDIR/{info,build,tests,sanitizer,racecheck,all-<tool>,bench}.log, LOGDIR/bench.json,
+# Logs: LOGDIR/{info,build,tests,sanitizer,all-<tool>,bench}.log, LOGDIR/bench.json,
 # LOGDIR/junit.xml.
 # Wheels for packages the GPU machine lacks may sit in .whl/ (installed to /tmp/site).
 set -uo pipefail
@@ -37,7 +37,6 @@ step tests python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.x
   tests/test_cuda.py tests/test_compile_cuda.py tests/test_transformers_cuda.py tests/test_readme.py \
   tests/test_adversarial.py tests/test_jit.py
 step sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sanitizer_smoke
-step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/racecheck_cells.py
 # Every kernel the launcher can pick (tools/sanitize_cells.py: 89 small cells) under each tool.
 for tool in memcheck racecheck synccheck initcheck; do
   extra=(); [ "$tool" = memcheck ] && extra=(--sweep 40)  # and 40 random calls under memcheck
