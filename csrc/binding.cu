@@ -38,11 +38,15 @@ std::atomic<bool> g_validate{false};
 // as many CTAs per SM as this much shared memory per SM would (0: the device's own occupancy).
 // tools/bench.py sets both to run a V100's grids (80 SMs, 96 KB) on a bigger GPU.
 std::atomic<int> g_plan_sms{0}, g_plan_sm_smem{0};
+// Test and A/B hook (set_kernel_override): the kernel kind (sm70attn::AttnKind) forced on the
+// calls that would take the register-fragment kernel; -1: the default.
+std::atomic<int> g_kernel{-1};
 
 // Error messages are built with std::to_string, not iostreams: a toolchain whose libstdc++
 // differs from torch's (seen on one GPU machine) crashed formatting integers through
 // c10::str, turning a clear ValueError into a segfault.
 void put(std::string& s, const char* x) { s += x; }
+void put(std::string& s, const std::string& x) { s += x; }
 template <class T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
 void put(std::string& s, T x) {
   s += std::to_string(x);
@@ -92,15 +96,27 @@ int scale_stride(const at::Tensor& s, i64 h_kv, const at::Tensor& ref, const cha
   return s.numel() == 1 ? 0 : (int)s.stride(0);
 }
 
-// sm70attn::attn_ctas_per_sm, cached per (device, D, mb, vec): the query costs microseconds.
-int ctas_per_sm(int device, int d, int mb, int vec) {
-  static std::atomic<int> cache[64][3][9][2];  // 0: not yet asked
-  if (device < 0 || device >= 64 || mb < 1 || mb > 8 || (d != 64 && d != 128 && d != 256))
-    return sm70attn::attn_ctas_per_sm(d, mb, vec);
-  std::atomic<int>& c = cache[device][d == 64 ? 0 : d == 128 ? 1 : 2][mb][vec == 16];
+// The attention kernel kind of a call (sm70attn::attn_default_kind), or the one
+// set_kernel_override forces where it applies (tests and A/B runs).
+int kernel_kind(int device, int d, int mb) {
+  const int forced = g_kernel.load();
+  if (forced < 0 || !sm70attn::attn_uses_rf(d, mb)) return sm70attn::attn_default_kind(d, mb);
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  TORCH_CHECK_VALUE(forced != sm70attn::ATTN_RF_M16N8K16 || major >= 8,
+                    "set_kernel_override: the m16n8k16 kernel needs SM80 or newer");
+  return forced;
+}
+
+// sm70attn::attn_ctas_per_sm, cached per (device, kind, D, mb, vec): the query costs microseconds.
+int ctas_per_sm(int device, int kind, int d, int mb, int vec) {
+  static std::atomic<int> cache[64][3][3][9][2];  // 0: not yet asked
+  if (device < 0 || device >= 64 || kind < 0 || kind > 2 || mb < 1 || mb > 8 || (d != 64 && d != 128 && d != 256))
+    return sm70attn::attn_ctas_per_sm(kind, d, mb, vec);
+  std::atomic<int>& c = cache[device][kind][d == 64 ? 0 : d == 128 ? 1 : 2][mb][vec == 16];
   int n = c.load(std::memory_order_relaxed);
   if (n == 0) {
-    n = std::max(sm70attn::attn_ctas_per_sm(d, mb, vec), 1);
+    n = std::max(sm70attn::attn_ctas_per_sm(kind, d, mb, vec), 1);
     c.store(n, std::memory_order_relaxed);
   }
   return n;
@@ -110,7 +126,7 @@ int ctas_per_sm(int device, int d, int mb, int vec) {
 // memory to launch with (0: the kernel's own).
 struct CallPlan {
   sm70attn::AttnPlan plan;
-  int num_sms = 0, ctas_per_sm = 0, smem_bytes = 0;
+  int kind = 0, num_sms = 0, ctas_per_sm = 0, smem_bytes = 0;
 };
 
 CallPlan plan_call(int device, i64 B, i64 H_q, i64 H_kv, i64 Q, i64 D, i64 capacity, int vec) {
@@ -121,10 +137,11 @@ CallPlan plan_call(int device, i64 B, i64 H_q, i64 H_kv, i64 Q, i64 D, i64 capac
   // Splits follow the kernel's occupancy on this device (a property of (D, mb, vec) and the GPU
   // only: the plan stays independent of B and of seq_lens values).
   const int mb = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D, capacity, c.num_sms).mb;
-  c.ctas_per_sm = ctas_per_sm(device, (int)D, mb, vec);
+  c.kind = kernel_kind(device, (int)D, mb);
+  c.ctas_per_sm = ctas_per_sm(device, c.kind, (int)D, mb, vec);
   if (const int sm_smem = g_plan_sm_smem.load(); sm_smem > 0) {
     // As many CTAs as sm_smem holds, and a padded launch so that this device holds no more.
-    const int own = sm70attn::attn_smem_bytes((int)D, mb, vec);
+    const int own = sm70attn::attn_smem_bytes(c.kind, (int)D, mb, vec);
     TORCH_CHECK_VALUE(sm_smem >= own, msg("set_plan_override: sm_smem_bytes = ", sm_smem,
                       " holds no CTA of the D = ", D, " kernel (", own, " bytes of shared memory); a V100 has 98304"));
     int dev_smem = 0, reserved = 0, optin = 0;
@@ -133,7 +150,7 @@ CallPlan plan_call(int device, i64 B, i64 H_q, i64 H_kv, i64 Q, i64 D, i64 capac
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     const int want = std::max(1, std::min(c.ctas_per_sm, sm_smem / std::max(own, 1)));
     c.smem_bytes = std::max(own, std::min(optin, dev_smem / want - reserved));
-    c.ctas_per_sm = std::max(1, sm70attn::attn_ctas_per_sm((int)D, mb, vec, c.smem_bytes));
+    c.ctas_per_sm = std::max(1, sm70attn::attn_ctas_per_sm(c.kind, (int)D, mb, vec, c.smem_bytes));
   }
   c.plan = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D, capacity, c.num_sms,
                                           c.ctas_per_sm);
@@ -256,7 +273,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   p.q_vec16 = ptr_aligned(query, 16) && strides_aligned(query, 3, 8);
   sm70attn::set_workspace(p, plan.workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr);
 
-  C10_CUDA_CHECK(sm70attn::launch_paged_attention(p, plan.mb, vec, c10::cuda::getCurrentCUDAStream(), call.smem_bytes));
+  C10_CUDA_CHECK(sm70attn::launch_paged_attention(p, call.kind, plan.mb, vec, c10::cuda::getCurrentCUDAStream(),
+                                                  call.smem_bytes));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
@@ -349,8 +367,10 @@ at::Tensor mma_atom_check_t(const at::Tensor& A, const at::Tensor& B, const at::
 }
 
 at::Tensor mma_atom_check(int64_t shape, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C) {
-  TORCH_CHECK_VALUE(shape == 884 || shape == 16816, "mma_atom_check: shape 884 (m8n8k4) or 16816 (m16n8k16)");
+  TORCH_CHECK_VALUE(shape == 884 || shape == 8844 || shape == 16816,
+                    "mma_atom_check: shape 884 (m8n8k4), 8844 (m8n8k4 with B row-major) or 16816 (m16n8k16)");
   if (shape == 884) return mma_atom_check_t<sm70attn::MmaM8N8K4>(A, B, C);
+  if (shape == 8844) return mma_atom_check_t<sm70attn::MmaM8N8K4RowRow>(A, B, C);
   TORCH_CHECK_VALUE(A.is_cuda(), "mma_atom_check: A, B and C must be on one CUDA device");
   const c10::cuda::CUDAGuard guard(A.device());
   int major = 0;
@@ -363,7 +383,7 @@ at::Tensor mma_atom_check(int64_t shape, const at::Tensor& A, const at::Tensor& 
 
 // Tests only, in a namespace of its own (tensors cross into C++ through the dispatcher, as the
 // ops' do): D = A B + C per group through one mma.sync atom (884: m8n8k4, 4 groups of 8x8x4;
-// 16816: m16n8k16, one group of 16x8x16) and the element maps of csrc/sm70attn/mma_atoms.h.
+// 8844: the same with B row-major; 16816: m16n8k16, one group of 16x8x16) and the element maps of csrc/sm70attn/mma_atoms.h.
 TORCH_LIBRARY(sm70attn_test, m) {
   m.def("mma_atom_check(int shape, Tensor A, Tensor B, Tensor C) -> Tensor", &mma_atom_check);
 }
@@ -384,6 +404,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "benchmarks only: plan paged_attention for num_sms SMs holding at most as many CTAs as "
         "sm_smem_bytes of shared memory per SM would (0: the device's own)", pybind11::arg("num_sms") = 0,
         pybind11::arg("sm_smem_bytes") = 0);
+  m.def("set_kernel_override", [](const std::string& kind) {
+          const int k = kind == "auto" ? -1 : kind == "wmma" ? 0 : kind == "rf-m8n8k4" ? 1 : kind == "rf-m16n8k16" ? 2 : -2;
+          TORCH_CHECK_VALUE(k != -2, msg("set_kernel_override: kind must be auto, wmma, rf-m8n8k4 or rf-m16n8k16, got '",
+                            kind, "'"));
+          g_kernel.store(k);
+        },
+        "tests and A/B runs only: the attention kernel of the calls that would take the register-fragment one "
+        "(D = 256 with 17-48 rows per CTA): 'wmma', 'rf-m8n8k4', 'rf-m16n8k16' (SM80+) or 'auto' (the default: wmma); "
+        "set it while no other thread launches", pybind11::arg("kind"));
   m.def("plan", [](int64_t B, int64_t H_q, int64_t H_kv, int64_t Q, int64_t D, int64_t capacity, int vec, int device) {
           TORCH_CHECK_VALUE(B >= 1 && H_kv >= 1 && H_q >= H_kv && H_q % H_kv == 0 && H_q / H_kv <= 8 && Q >= 1 &&
                             Q <= 16 && capacity >= 0 && capacity <= (int64_t)INT_MAX - 1024 && (vec == 8 || vec == 16) &&
@@ -394,11 +423,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::dict d;
           d["mb"] = c.plan.mb, d["row_groups"] = c.plan.row_groups, d["num_splits"] = c.plan.num_splits;
           d["num_sms"] = c.num_sms, d["ctas_per_sm"] = c.ctas_per_sm;
-          d["smem_bytes"] = c.smem_bytes > 0 ? c.smem_bytes : sm70attn::attn_smem_bytes((int)D, c.plan.mb, vec);
+          d["kernel"] = c.kind == sm70attn::ATTN_WMMA ? "wmma" : c.kind == sm70attn::ATTN_RF_M8N8K4 ? "rf-m8n8k4" : "rf-m16n8k16";
+          d["smem_bytes"] = c.smem_bytes > 0 ? c.smem_bytes : sm70attn::attn_smem_bytes(c.kind, (int)D, c.plan.mb, vec);
           return d;
         },
         "the launch plan paged_attention makes for a shape on a device (mb, row_groups, num_splits, num_sms, "
-        "ctas_per_sm, smem_bytes)", pybind11::arg("B"), pybind11::arg("H_q"), pybind11::arg("H_kv"),
+        "ctas_per_sm, kernel, smem_bytes)", pybind11::arg("B"), pybind11::arg("H_q"), pybind11::arg("H_kv"),
         pybind11::arg("Q"), pybind11::arg("D"), pybind11::arg("capacity"), pybind11::arg("vec") = 16,
         pybind11::arg("device") = 0);
 }

@@ -124,17 +124,80 @@ def test_batched_equals_alone_and_run_to_run():
         assert torch.equal(op(alone)[0], out[b]), f"request {b} differs when batched"
 
 
-@pytest.mark.parametrize("shape", [884, 16816])
+# --- each attention kernel where the register-fragment one applies ----------------------
+RF_KINDS = ["wmma", "rf-m8n8k4", "rf-m16n8k16"]
+
+
+@pytest.fixture
+def kernel_override():
+    """set_kernel_override for one test, back to auto after it whatever happens."""
+    mod = ops.load_cuda_kernels()
+    yield mod.set_kernel_override
+    mod.set_kernel_override("auto")
+
+
+@pytest.mark.parametrize("kind", RF_KINDS)
+def test_each_kernel_kind_meets_the_oracle(record, kernel_override, kind):
+    """D = 256 verify shapes (48 rows: MB3; 24: MB2; 96: two row groups of MB3; 30 rows; an
+    invalid page; 8-byte rows; splits and no splits) on the WMMA kernel and both atoms of the
+    register-fragment kernel (m8n8k4 runs as ptxas emulates it on SM80+); the plan names the
+    kernel it launches; batched equals alone and run to run, bitwise."""
+    if kind == "rf-m16n8k16" and torch.cuda.get_device_capability()[0] < 8:
+        with pytest.raises(ValueError, match="SM80"):
+            kernel_override(kind)
+            op(make_problem(G=6, Q=8, D=256, device=DEV))
+        return
+    kernel_override(kind)
+    mod = ops.load_cuda_kernels()
+    # (the last: a table of a few pages, one split)
+    for Q, lens, page in (
+        (8, [5000, 0, 17, 40000], 1648),
+        (4, [3000, 9], 16),
+        (16, [700, 33], 37),
+        (5, [40, 6], 16),
+    ):
+        p = make_problem(
+            B=len(lens), H_kv=1, G=6, Q=Q, D=256, page_size=page, lens=lens, device=DEV, seed=Q
+        )
+        plan = mod.plan(len(lens), 6, 1, Q, 256, p["block_table"].shape[1] * page)
+        assert plan["kernel"] == kind, plan
+        assert Q != 5 or plan["num_splits"] == 1, plan
+        check_vs_oracle(record, f"{kind} Q={Q} page={page}", p)
+        out = op(p)
+        assert torch.equal(op(p), out), f"{kind} Q={Q}: run to run"
+        for b in range(len(lens)):
+            alone = dict(p)
+            for k in ("query", "block_table", "seq_lens"):
+                alone[k] = p[k][b : b + 1]
+            assert torch.equal(op(alone)[0], out[b]), (
+                f"{kind} Q={Q}: request {b} differs when batched"
+            )
+    p = make_problem(B=2, H_kv=2, G=6, Q=8, D=256, page_size=16, lens=[900, 50], device=DEV, seed=3)
+    p["block_table"][0, 5] = -1  # an invalid page: masked like a future token
+    check_vs_oracle(record, f"{kind} invalid page", p)
+    p = make_problem(
+        B=2, H_kv=2, G=6, Q=8, D=256, page_size=16, lens=[300, 37], layout="padded", device=DEV
+    )
+    check_vs_oracle(record, f"{kind} 8-byte rows", p)
+
+
+def test_kernel_override_rejects_unknown_kinds(kernel_override):
+    with pytest.raises(ValueError, match="auto, wmma, rf-m8n8k4 or rf-m16n8k16"):
+        kernel_override("rf")
+
+
+@pytest.mark.parametrize("shape", [884, 8844, 16816])
 def test_mma_atom_element_maps_are_the_hardwares(shape):
     """csrc/sm70attn/mma_atoms.h's maps (which element of A, B, C and D each lane's register
     holds) against the GPU: through one mma.sync atom, with every operand gathered and the
     result scattered by the maps, D = A B + C exactly (small integers: every product and sum is
     exact in fp32) in every group, and no element is left at the binding's NaN poison.
-    m8n8k4 (SM70's shape: four quad-pair products) runs emulated by ptxas on newer GPUs;
-    m16n8k16 needs SM80 and is refused before it."""
+    m8n8k4 (SM70's shape: four quad-pair products; 8844 with B row-major, as the
+    register-fragment kernel reads V) runs emulated by ptxas on newer GPUs; m16n8k16 needs SM80
+    and is refused before it."""
     ops.load_cuda_kernels()
     check = torch.ops.sm70attn_test.mma_atom_check
-    G, M, N, K = (4, 8, 8, 4) if shape == 884 else (1, 16, 8, 16)
+    G, M, N, K = (1, 16, 8, 16) if shape == 16816 else (4, 8, 8, 4)
     gen = torch.Generator().manual_seed(shape)
     A = torch.randint(-8, 9, (G, M, K), generator=gen).half().to(DEV)
     B = torch.randint(-8, 9, (G, K, N), generator=gen).half().to(DEV)

@@ -162,11 +162,11 @@ def test_sanitizer_cells_reach_every_listed_kernel(sms, ctas_per_sm):
 
     todo, want_attn, want_comb = sc.cells()
     seen, split_ones, comb = set(), set(), set()
-    for _, kw, vec, several in todo:
+    for kind, _, kw, vec, several in todo:
         cap = table_width(kw["lens"], kw["page_size"]) * kw["page_size"]
         H_q = kw["G"] * kw["H_kv"]
         pl = vm.plan(kw["B"], H_q, kw["H_kv"], kw["Q"], kw["D"], cap, sms, ctas_per_sm)
-        key = (kw["D"], pl["mb"], vec)
+        key = (kind, kw["D"], pl["mb"], vec)
         assert (pl["num_splits"] > 1) == several, (kw, pl)
         (split_ones if pl["num_splits"] == 1 else seen).add(key)
         if pl["num_splits"] > 1:

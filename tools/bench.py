@@ -86,6 +86,12 @@ def parse_args(argv=None):
     ap.add_argument(
         "--v100-grid", action="store_true", help="a V100's grids: --sms 80 --sm-smem 98304"
     )
+    ap.add_argument(
+        "--kernel",
+        choices=["auto", "wmma", "rf-m8n8k4", "rf-m16n8k16"],
+        default="auto",
+        help="attention kernel where the register-fragment one applies (A/B runs; default auto)",
+    )
     ap.add_argument("--max-seconds", type=float, default=480.0, help="skip cells after this")
     ap.add_argument("--l2-mb", type=float, default=None, help="L2 size (default: the GPU's)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, allocate nothing")
@@ -563,6 +569,9 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
     a.side_stream = None
+    if dev.type == "cuda":
+        sa.ops.load_cuda_kernels().set_kernel_override(a.kernel)
+        out["env"]["kernel_override"] = a.kernel
     if dev.type == "cuda" and (a.sms or a.sm_smem):
         sa.ops.load_cuda_kernels().set_plan_override(a.sms or 0, a.sm_smem or 0)
         out["env"]["plan_override"] = dict(num_sms=a.sms or 0, sm_smem_bytes=a.sm_smem or 0)

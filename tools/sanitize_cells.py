@@ -6,7 +6,8 @@
 
 The kernels are the lists of csrc/sm70attn/static_switch.h (as tools/sm70_check.py reads
 them): each attention kernel (D, MB, VEC) twice, with one split (fp16 output straight from the
-kernel) and with several (fp32 partials), and each combine kernel (D, WPR) through a decode
+kernel) and with several (fp32 partials), the WMMA kernel and each atom of the
+register-fragment one (set_kernel_override; m16n8k16 on SM80+), and each combine kernel (D, WPR) through a decode
 long enough for its split count; store_kv on both of its paths. The plan the binding makes for
 each cell is read back (its `plan()` hook) and the run fails unless every listed kernel was
 reached, or if an output is not finite. Tables carry junk past the pages in use. --sweep N adds N
@@ -31,22 +32,28 @@ FP8 = torch.float8_e4m3fn
 
 def cells():
     """(label, problem kwargs, VEC, several splits wanted) covering every listed kernel."""
-    want_attn = set(switch_entries("SM70ATTN_ATTN_KERNELS"))
+    rf_kinds = ["rf-m8n8k4"] + (
+        ["rf-m16n8k16"] if torch.cuda.get_device_capability()[0] >= 8 else []
+    )
+    want_attn = {("wmma", *e) for e in switch_entries("SM70ATTN_ATTN_KERNELS")}
+    want_attn |= {(k, *e) for e in switch_entries("SM70ATTN_RF_KERNELS") for k in rf_kinds}
     want_comb = set(switch_entries("SM70ATTN_COMBINE_KERNELS"))
     out = []
-    for D, mb, vec in sorted(want_attn):
+    for kind, D, mb, vec in sorted(want_attn):
         # G 8 and Q = 2 MB - 1: 16 MB - 8 rows, one row group, padding rows in the last block
         for lens in ([40, 7], [4000, 300]):  # one split; several (>= 2 x 16 x rows tokens)
             kw = dict(B=2, H_kv=1, G=8, Q=2 * mb - 1, D=D, page_size=16, lens=lens)
             if vec == 8:
                 kw["layout"] = "padded"
-            out.append((f"attn D{D} MB{mb} VEC{vec} lens {lens}", kw, vec, lens[0] > 40))
+            out.append(
+                (kind, f"attn {kind} D{D} MB{mb} VEC{vec} lens {lens}", kw, vec, lens[0] > 40)
+            )
     for D, wpr in sorted(
         want_comb
     ):  # decode G 4: 1 / 4 / 16 warps a row need <= 16 / <= 64 / more splits
         ctx = {1: 1000, 4: 5000, 16: 40000}[wpr]
         kw = dict(B=1, H_kv=1, G=4, Q=1, D=D, page_size=64, lens=[ctx])
-        out.append((f"combine D{D} WPR{wpr} ctx {ctx}", kw, 16, True))
+        out.append(("auto", f"combine D{D} WPR{wpr} ctx {ctx}", kw, 16, True))
     return out, want_attn, want_comb
 
 
@@ -75,9 +82,11 @@ def main():
     ap.add_argument("--sweep", type=int, default=0, help="random valid calls to add")
     args = ap.parse_args()
     lib = sa.ops.load_cuda_kernels()
-    todo, want_attn, want_comb = cells()
+    sm80 = torch.cuda.get_device_capability()[0] >= 8
+    todo, want_attn, want_comb = cells(("rf-m8n8k4", "rf-m16n8k16") if sm80 else ("rf-m8n8k4",))
     seen_attn, seen_comb, bad = set(), set(), 0
-    for label, kw, vec, several in todo:
+    for kind, label, kw, vec, several in todo:
+        lib.set_kernel_override(kind)
         p = make_problem(device="cuda", **kw)
         cap = p["block_table"].shape[1] * p["key_cache"].shape[1]
         H_q = kw["G"] * kw["H_kv"]
@@ -86,13 +95,14 @@ def main():
         torch.cuda.synchronize()
         ok = bool(torch.isfinite(out).all()) and (pl["num_splits"] > 1) == several
         bad += not ok
-        seen_attn.add((kw["D"], pl["mb"], vec))
+        seen_attn.add((pl["kernel"], kw["D"], pl["mb"], vec))
         if pl["num_splits"] > 1:
             seen_comb.add((kw["D"], combine_warps_per_row(pl["num_splits"])))
         print(
             f"{label}: mb {pl['mb']} splits {pl['num_splits']}",
             "ok" if ok else "NOT FINITE or other splits",
         )
+    lib.set_kernel_override("auto")
     # store_kv: the 8-element path (aligned rows) and the element path (an odd head dim stride)
     key = torch.randn(6, 2, 64, device="cuda").half()
     kc = torch.zeros(4, 16, 2, 64, dtype=FP8, device="cuda")

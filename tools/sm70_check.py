@@ -36,6 +36,10 @@ FORBIDDEN = re.compile(
     r"\b(cp\.async\S*|ldmatrix\S*|mma\.sync\.aligned\.m16n8k\S*|\S+\.bf16\S*|\S+\.e4m3\S*|\S+\.e5m2\S*)"
 )
 ATTN = "template __global__ void sm70attn::paged_attention_kernel<{}>(sm70attn::PagedAttnParams);"
+ATTN_RF = (
+    "template __global__ void sm70attn::paged_attention_rf_kernel<{}, sm70attn::{}>"
+    "(sm70attn::PagedAttnParams);"
+)
 COMBINE = "template __global__ void sm70attn::combine_kernel<{}>(sm70attn::PagedAttnParams);"
 MMA_CHECK = (
     "template __global__ void sm70attn::mma_check_kernel<{}>"
@@ -63,7 +67,7 @@ def wheel_paths():
 
 def switch_entries(macro: str) -> list[tuple[int, ...]]:
     """The X(...) entries of one kernel list of static_switch.h, as int tuples: (D, MB, VEC) of
-    SM70ATTN_ATTN_KERNELS, (D, WPR) of SM70ATTN_COMBINE_KERNELS."""
+    SM70ATTN_ATTN_KERNELS and SM70ATTN_RF_KERNELS, (D, WPR) of SM70ATTN_COMBINE_KERNELS."""
     text = open(SWITCH).read()
     m = re.search(rf"#define {macro}\(X\)((?:.*\\\n)*.*)", text)
     if not m:
@@ -77,6 +81,13 @@ def kernel_list():
     for d, mb, vec in switch_entries("SM70ATTN_ATTN_KERNELS"):
         kt = f"sm70attn::AttnTraits<{d}, {mb}, {vec}>"
         out.append((f"attn D{d} MB{mb} VEC{vec}", "paged_attention.cuh", ATTN.format(kt), kt))
+    # The register-fragment kernels on SM70's atom; the binding builds their m16n8k16 twins for
+    # every arch too, so before SM80 those must compile (to a trap).
+    for d, mb, vec in switch_entries("SM70ATTN_RF_KERNELS"):
+        kt = f"sm70attn::AttnRfTraits<{d}, {mb}, {vec}>"
+        for atom, tag in (("MmaM8N8K4", "m8n8k4"), ("MmaM16N8K16", "m16n8k16")):
+            inst = ATTN_RF.format(kt, atom)
+            out.append((f"attn-rf D{d} MB{mb} VEC{vec} {tag}", "paged_attention_rf.cuh", inst, kt))
     for d, wpr in switch_entries("SM70ATTN_COMBINE_KERNELS"):
         ct = f"sm70attn::CombineTraits<{d}, {wpr}>"
         out.append((f"combine D{d} WPR{wpr}", "combine.cuh", COMBINE.format(ct), ct))

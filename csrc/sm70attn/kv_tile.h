@@ -84,6 +84,38 @@ struct KvStage {
     }
   }
 
+  // One tensor at a time (K: IS_V false, which also sets ok and, when stored, the token flags),
+  // for a kernel that stores V over K (paged_attention_rf.cuh). base: kb or vb as in load.
+  template <bool IS_V>
+  __device__ __forceinline__ void load_one(const PagedAttnParams& p, const unsigned char* base, const int* bt,
+                                           int t0, int t_end, int tid) {
+    const int t = t0 + token(tid);
+    bool okk = false;
+    if ((KT::ACTIVE == KT::THREADS || tid < KT::ACTIVE) && t < t_end) {
+      const int pi = fastdiv(t, p.div_page);
+      const int page = __ldg(bt + pi);
+      if (page >= 0 && page < p.num_pages) {
+        const i64 off = t - pi * p.page_size;
+        const unsigned char* ptr = base + page * (IS_V ? p.v_stride_page : p.k_stride_page) +
+                                   off * (IS_V ? p.v_stride_tok : p.k_stride_tok);
+#pragma unroll
+        for (int l = 0; l < LPT; ++l) (IS_V ? v : k)[l] = __ldg(reinterpret_cast<const Vec*>(ptr + l * TPK * KT::VEC));
+        okk = true;
+      }
+    }
+    if (!IS_V) ok = okk;
+  }
+
+  template <bool IS_V>
+  __device__ __forceinline__ void store_one(__half* T, int* tok_ok, int tid) const {
+    if (KT::ACTIVE == KT::THREADS || tid < KT::ACTIVE) {
+      const int j = token(tid), q = part0(tid);
+#pragma unroll
+      for (int l = 0; l < LPT; ++l) store_chunk(T + j * KT::KLD + (q + l * TPK) * KT::VEC, (IS_V ? v : k)[l]);
+      if (!IS_V && q == 0) tok_ok[j] = ok;
+    }
+  }
+
  private:
   // 8 bytes -> one 16-byte shared store.
   static __device__ __forceinline__ void store_chunk(__half* dst, const uint2& x) {

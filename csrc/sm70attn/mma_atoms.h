@@ -4,13 +4,15 @@
 //   M8N8K4   (SM70's shape): the warp's four quad-pairs (lanes 4q..4q+3 and 4q+16..4q+19) each
 //            compute their own D[8x8] = A[8x4] B[4x8] + C; a lane holds one row of A, one
 //            column of B and 8 of D's elements.
+//            MmaM8N8K4RowRow takes B row-major (.row.row): a lane holds one row of B instead,
+//            which is how the register-fragment kernel reads V ([token][d] in shared memory).
 //   M16N8K16 (SM80+): one D[16x8] = A[16x16] B[16x8] + C per warp; a lane holds 8 of A, 4 of B
 //            and 4 of D's elements.
 // Element i of a lane's fragment is at (X_row(lane, i), X_col(lane, i)) of its quad-pair's
 // (M8N8K4) or the warp's (M16N8K16) matrix. tests/test_cuda.py checks these maps against a GPU
 // (newer GPUs run m8n8k4 as ptxas emulates it) and tests/emu/ runs the atoms by them on the CPU.
 // A kernel that keeps its fragments in registers needs nothing else from the atom, so everything
-// above it can be shared between the two shapes. Nothing on the op's path uses them yet.
+// above it can be shared between the two shapes: paged_attention_rf.cuh is that kernel.
 #pragma once
 
 #include "sm70attn/utils.h"
@@ -28,6 +30,11 @@ struct MmaM8N8K4 {
   __host__ __device__ static constexpr int b_col(int lane, int) { return lane % 4 + 4 * half(lane); }
   __host__ __device__ static constexpr int c_row(int lane, int i) { return (lane & 1) + (i & 2) + 4 * half(lane); }
   __host__ __device__ static constexpr int c_col(int lane, int i) { return (i & 4) + (lane & 2) + (i & 1); }
+};
+
+struct MmaM8N8K4RowRow : MmaM8N8K4 {
+  __host__ __device__ static constexpr int b_row(int lane, int) { return lane % 4; }
+  __host__ __device__ static constexpr int b_col(int lane, int i) { return i + 4 * half(lane); }
 };
 
 struct MmaM16N8K16 {
@@ -59,6 +66,16 @@ __device__ __forceinline__ void mma_atom(MmaM8N8K4, float (&d)[8], const unsigne
         "f"(c[4]), "f"(c[5]), "f"(c[6]), "f"(c[7]));
 }
 
+__device__ __forceinline__ void mma_atom(MmaM8N8K4RowRow, float (&d)[8], const unsigned (&a)[2],
+                                         const unsigned (&b)[2], const float (&c)[8]) {
+  asm volatile(
+      "mma.sync.aligned.m8n8k4.row.row.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11}, {%12,%13,%14,%15,%16,%17,%18,%19};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]),
+        "f"(c[4]), "f"(c[5]), "f"(c[6]), "f"(c[7]));
+}
+
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 __device__ __forceinline__ void mma_atom(MmaM16N8K16, float (&d)[4], const unsigned (&a)[4],
                                          const unsigned (&b)[2], const float (&c)[4]) {
@@ -69,12 +86,27 @@ __device__ __forceinline__ void mma_atom(MmaM16N8K16, float (&d)[4], const unsig
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),
         "f"(c[2]), "f"(c[3]));
 }
+
+// Four 8x8 fp16 matrices from shared memory, transposed (ldmatrix .x4 .trans, SM75+): lane l
+// gives the address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned) and gets
+// r[j] = (M_j[2 (l % 4)][l / 4], M_j[2 (l % 4) + 1][l / 4]): an m16n8k16 B fragment of a
+// row-major [k][n] matrix, two per ldmatrix.
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const __half* row) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
 #else
 // No m16n8k16 before SM80 (the SM70 gate refuses its PTX): callers check the arch first
 // (mma_atom_check in the binding does); reaching this traps.
 __device__ __forceinline__ void mma_atom(MmaM16N8K16, float (&d)[4], const unsigned (&)[4], const unsigned (&)[2],
                                          const float (&)[4]) {
   for (float& x : d) x = 0.f;
+  __trap();
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const __half*) {
+  for (unsigned& x : r) x = 0u;
   __trap();
 }
 #endif

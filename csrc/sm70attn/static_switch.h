@@ -1,6 +1,6 @@
 // The one dispatch level: runtime (head dim, row blocks, load width) -> template parameters,
 // through the explicit list of every kernel the launcher can pick. tools/sm70_check.py parses
-// the X(...) entries of the two lists below and compiles each for sm_70: edit only here.
+// the X(...) entries of the three lists below and compiles each for sm_70: edit only here.
 #pragma once
 
 #include "sm70attn/traits.h"
@@ -29,6 +29,13 @@
   X(256, 3, 16) X(256, 3, 8) \
   X(256, 4, 16) X(256, 4, 8)
 
+// Register-fragment attention kernels (paged_attention_rf.cuh), X(D, MB, VEC) as above: those
+// attn_uses_rf(D, MB) says take it. Each is built for both MMA atoms (m16n8k16 only where the
+// arch has it) and the WMMA kernel of the same (D, MB, VEC) stays, for A/B runs and tests.
+#define SM70ATTN_RF_KERNELS(X) \
+  X(256, 2, 16) X(256, 2, 8) \
+  X(256, 3, 16) X(256, 3, 8)
+
 // Split-K combine kernels: X(head dim D, warps per output row WPR), WPR as
 // combine_warps_per_row(splits) picks it.
 #define SM70ATTN_COMBINE_KERNELS(X) \
@@ -45,6 +52,16 @@ inline bool attn_switch(int d, int mb, int vec, F&& f) {
 #define SM70ATTN_CASE(D_, MB_, VEC_) \
   if (d == D_ && mb == MB_ && vec == VEC_) return f(AttnTraits<D_, MB_, VEC_>{}), true;
   SM70ATTN_ATTN_KERNELS(SM70ATTN_CASE)
+#undef SM70ATTN_CASE
+  return false;
+}
+
+// Calls f(AttnRfTraits<D, MB, VEC>{}) for the listed kernel; false when none is listed.
+template <class F>
+inline bool attn_rf_switch(int d, int mb, int vec, F&& f) {
+#define SM70ATTN_CASE(D_, MB_, VEC_) \
+  if (d == D_ && mb == MB_ && vec == VEC_) return f(AttnRfTraits<D_, MB_, VEC_>{}), true;
+  SM70ATTN_RF_KERNELS(SM70ATTN_CASE)
 #undef SM70ATTN_CASE
   return false;
 }

@@ -110,6 +110,61 @@ struct AttnTraits {
   static_assert(SMEM_BYTES <= 96 * 1024, "SM70 shared memory per block");
 };
 
+// D = 256 verify (2-3 row blocks) has a register-fragment kernel too (paged_attention_rf.cuh),
+// which calls take through set_kernel_override (tests, A/B runs).
+__host__ __device__ constexpr bool attn_uses_rf(int d, int mb) { return d == 256 && (mb == 2 || mb == 3); }
+
+// Which attention kernel a call runs: the WMMA kernel (paged_attention.cuh), or the
+// register-fragment one (paged_attention_rf.cuh) on m8n8k4 (SM70's atom; newer GPUs run it as
+// ptxas emulates it) or on m16n8k16 (SM80+).
+enum AttnKind : int { ATTN_WMMA = 0, ATTN_RF_M8N8K4 = 1, ATTN_RF_M16N8K16 = 2 };
+
+// The kind a call takes unless set_kernel_override says otherwise: the WMMA kernel, on every
+// GPU for now. sm_70's m8n8k4 kernel needs 158 registers a thread without spills, so it holds
+// one CTA per V100 SM like the WMMA kernel, with more instructions a token (docs/perf.md); it
+// and its m16n8k16 twin are built and tested for the work that would fit it in two.
+__host__ __device__ constexpr int attn_default_kind(int, int) { return ATTN_WMMA; }
+
+// The register-fragment kernel's tile: ROWS = 16 MB query rows, 32-token tiles, 4 warps per
+// 16-row block. Warp w takes row block rb = w / 4 and, as tg = w % 4, tokens [8 tg, 8 tg + 8)
+// of each tile in QK^T (S over all of D: one 16x8 block in registers) and columns
+// [64 tg, 64 tg + 64) of O in PV (32 fp32 registers a lane). V is stored over K once every warp
+// is done with K, so shared memory holds Q, one tile and P: <= 48 KB, room for two CTAs in 96 KB.
+template <int D_, int MB_, int VEC_>
+struct AttnRfTraits {
+  static constexpr int D = D_, MB = MB_, VEC = VEC_;
+  static constexpr int ROWS = 16 * MB, N = 32, TG = 4, WARPS = TG * MB, THREADS = 32 * WARPS;
+  static constexpr int DW = D / TG;  // O columns per warp
+  // KV gather (kv_tile.h), as AttnTraits
+  static constexpr int CPT = D / VEC;
+  static constexpr int TPK = pow2_floor(THREADS / N < CPT ? THREADS / N : CPT);
+  static constexpr int LPT = CPT / TPK, ACTIVE = N * TPK;
+  // Leading dims (halves). A tile row (K or V) is D + 8: 16 bytes mod 128 for the gather's
+  // conflict-free 16-byte stores and 4 banks apart for the 8-byte fragment loads. Q is stored in
+  // groups of 8 rows, Q_GROUP apart (2 banks more than 8 rows): with m8n8k4 a half-warp then
+  // loads 16 distinct 8-byte bank pairs (4 rows x 2 row groups x 2 D halves, the second half
+  // starting 32 columns on: paged_attention_rf.cuh). P rows are N + 4 (18 banks apart).
+  static constexpr int QLD = D + 8, Q_GROUP = 8 * QLD + 4, KLD = D + 8, PLD = N + 4, ELD = D / 2 + 4;
+  static constexpr int Q_OFF = 0;
+  static constexpr int T_OFF = (2 * MB * Q_GROUP * 2 + 127) / 128 * 128;  // [N][KLD]: K, then V
+  static constexpr int P_OFF = T_OFF + N * KLD * 2;                       // [ROWS][PLD] fp16
+  static constexpr int RED_OFF = P_OFF + ROWS * PLD * 2;  // [ROWS][TG] fp32: maxima, then sums
+  static constexpr int TOK_OFF = RED_OFF + ROWS * TG * 4;  // [N] "page valid" flags
+  static constexpr int ML_OFF = TOK_OFF + N * 4;           // row max, row sum (epilogue)
+  static constexpr int SMEM_BYTES = ML_OFF + 2 * ROWS * 4;
+  static constexpr int EPI_BYTES = ROWS * ELD * 4;  // fp32 O, half of D at a time (aliases Q, T)
+  // One CTA per SM asked of ptxas: at two (<= 85 registers at 384 threads) sm_70's m8n8k4
+  // kernel spills 172-192 bytes, unbounded it takes 158; sm_90a's m16n8k16 twin spills 32
+  // bytes at two, takes 135 at one.
+  static constexpr int MIN_BLOCKS = 1;
+  static_assert(attn_uses_rf(D, MB) && D == 256, "register-fragment kernel: D = 256 verify");
+  static_assert(VEC == 8 || VEC == 16, "load width");
+  static_assert(2 * SMEM_BYTES <= 96 * 1024, "shared memory for two CTAs per SM70 SM");
+  static_assert(EPI_BYTES <= RED_OFF, "epilogue staging leaves the row state");
+  static_assert(CPT % TPK == 0 && ACTIVE <= THREADS, "gather layout");
+  static_assert(T_OFF % 16 == 0 && P_OFF % 16 == 0 && RED_OFF % 16 == 0, "16-byte accesses");
+};
+
 // Most context splits the plan makes (plan.h).
 __host__ __device__ constexpr int attn_max_splits() { return 512; }
 

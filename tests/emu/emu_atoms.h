@@ -10,6 +10,7 @@
 namespace emu {
 struct AtomStage { float a[8], b[4], c[8]; };
 inline std::vector<AtomStage> atom_stage;
+inline std::vector<const __half*> ldsm_rows;
 }
 
 namespace sm70attn {
@@ -52,6 +53,23 @@ inline void emu_mma_atom(float* d, const unsigned* a, const unsigned* b, const f
 }
 inline void mma_atom(MmaM8N8K4, float (&d)[8], const unsigned (&a)[2], const unsigned (&b)[2], const float (&c)[8]) {
   emu_mma_atom<MmaM8N8K4>(d, a, b, c);
+}
+inline void mma_atom(MmaM8N8K4RowRow, float (&d)[8], const unsigned (&a)[2], const unsigned (&b)[2], const float (&c)[8]) {
+  emu_mma_atom<MmaM8N8K4RowRow>(d, a, b, c);
+}
+// ldmatrix .x4 .trans: every lane of the warp passes a row address (lane l: row l % 8 of matrix
+// l / 8, 16-byte aligned) and gets r[j] = (M_j[2 (l % 4)][l / 4], M_j[2 (l % 4) + 1][l / 4]).
+inline void ldsm_x4_trans(unsigned (&r)[4], const __half* row) {
+  const int t = emu::cur, lane = t & 31, base = t - lane;
+  if ((int)emu::block_dim.x < base + 32) { fprintf(stderr, "ldsm_x4_trans: needs a whole warp\n"); abort(); }
+  if (reinterpret_cast<uintptr_t>(row) % 16) { fprintf(stderr, "ldsm_x4_trans: row not 16-byte aligned\n"); abort(); }
+  if ((int)emu::ldsm_rows.size() < (int)emu::block_dim.x) emu::ldsm_rows.resize(emu::block_dim.x);
+  emu::ldsm_rows[t] = row;
+  __syncwarp();
+  auto el = [&](int j, int rr, int col) { return __half_as_ushort(emu::ldsm_rows[base + 8 * j + rr][col]); };
+  for (int j = 0; j < 4; ++j)
+    r[j] = (unsigned)el(j, 2 * (lane % 4), lane / 4) | (unsigned)el(j, 2 * (lane % 4) + 1, lane / 4) << 16;
+  __syncwarp();
 }
 inline void mma_atom(MmaM16N8K16, float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
   emu_mma_atom<MmaM16N8K16>(d, a, b, c);

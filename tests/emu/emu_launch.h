@@ -11,4 +11,5 @@ namespace sm70attn { extern unsigned char smem[100 * 1024]; }
 
 // Each run every CTA of the grid, one after another, on shared memory poisoned with NaN bytes.
 template <class KT> void launch_attn(dim3 grid, const sm70attn::PagedAttnParams& a);
+template <class KT, class At> void launch_attn_rf(dim3 grid, const sm70attn::PagedAttnParams& a);
 template <class CT> void launch_combine(dim3 grid, const sm70attn::PagedAttnParams& a);

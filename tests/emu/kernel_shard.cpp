@@ -3,7 +3,9 @@
 // shard of all. The test compiles the shards in parallel and links them with kernels.cpp.
 #include "emu_launch.h"
 #include "sm70attn/combine.cuh"
+#include "emu_atoms.h"
 #include "sm70attn/paged_attention.cuh"
+#include "sm70attn/paged_attention_rf.cuh"
 
 #ifndef EMU_SHARDS
 #define EMU_SHARDS 1
@@ -27,6 +29,12 @@ void launch_attn(dim3 grid, const PagedAttnParams& a) {
   launch(grid, KT::THREADS, [&] { paged_attention_kernel<KT>(a); });
 }
 
+template <class KT, class At>
+void launch_attn_rf(dim3 grid, const PagedAttnParams& a) {
+  static_assert(KT::SMEM_BYTES <= sizeof(smem), "");
+  launch(grid, KT::THREADS, [&] { paged_attention_rf_kernel<KT, At>(a); });
+}
+
 template <class CT>
 void launch_combine(dim3 grid, const PagedAttnParams& a) {
   static_assert(CT::SMEM_BYTES <= sizeof(smem), "");
@@ -42,11 +50,21 @@ template <int D, int MB, int VEC>
 struct Shard<AttnTraits<D, MB, VEC>, true> {
   static void* launcher() { return (void*)&launch_attn<AttnTraits<D, MB, VEC>>; }
 };
+template <class KT, class At>
+struct RfKernel {};  // a register-fragment kernel: traits and MMA atom
+template <class KT, class At>
+struct Shard<RfKernel<KT, At>, true> {
+  static void* launcher() { return (void*)&launch_attn_rf<KT, At>; }
+};
 template <int D, int WPR>
 struct Shard<CombineTraits<D, WPR>, true> {
   static void* launcher() { return (void*)&launch_combine<CombineTraits<D, WPR>>; }
 };
 #define EMU_ATTN(D, MB, VEC) template struct Shard<AttnTraits<D, MB, VEC>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
+#define EMU_ATTN_RF(D, MB, VEC)                                                                                   \
+  template struct Shard<RfKernel<AttnRfTraits<D, MB, VEC>, MmaM8N8K4>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>; \
+  template struct Shard<RfKernel<AttnRfTraits<D, MB, VEC>, MmaM16N8K16>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
 #define EMU_COMBINE(D, WPR) template struct Shard<CombineTraits<D, WPR>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
 SM70ATTN_ATTN_KERNELS(EMU_ATTN)
+SM70ATTN_RF_KERNELS(EMU_ATTN_RF)
 SM70ATTN_COMBINE_KERNELS(EMU_COMBINE)

@@ -104,6 +104,8 @@ std::vector<double> reference(const Problem& p) {
 static bool g_q_misaligned = false;
 static int g_ctas_per_sm = 2;
 static int g_combine_as = 0;  // > 0: launch the combine kernel picked for this many splits
+static int g_kind = -1;       // >= 0: the kernel kind (AttnKind) where the register-fragment one applies
+                              // (-1: the launcher's default, attn_default_kind)
 std::vector<unsigned short> run(Problem& p, int num_sms, int* splits_out = nullptr, int force_splits = 0) {
   const i64 cap = (i64)p.max_pages * p.page_size;
   AttnPlan plan = plan_paged_attention(p.B, p.H_q, p.H_kv, p.Q, p.D, cap, num_sms, g_ctas_per_sm);
@@ -138,9 +140,13 @@ std::vector<unsigned short> run(Problem& p, int num_sms, int* splits_out = nullp
   set_workspace(a, plan.workspace_floats ? ws.data() : nullptr);
   set_divisors(a);
   const int vec = (p.k_off % 16 == 0 && p.v_off % 16 == 0 && p.s_page % 16 == 0 && p.s_tok % 16 == 0 && p.s_head % 16 == 0) ? 16 : 8;
-  bool found = attn_switch(p.D, plan.mb, vec, [&](auto kt) {
-    launch_attn<decltype(kt)>(dim3(p.B * p.H_kv * plan.row_groups, plan.num_splits), a);
-  });
+  const dim3 grid(p.B * p.H_kv * plan.row_groups, plan.num_splits);
+  const int kind = g_kind >= 0 && attn_uses_rf(p.D, plan.mb) ? g_kind : attn_default_kind(p.D, plan.mb);
+  bool found = kind == ATTN_WMMA ? attn_switch(p.D, plan.mb, vec, [&](auto kt) { launch_attn<decltype(kt)>(grid, a); })
+                                 : attn_rf_switch(p.D, plan.mb, vec, [&](auto kt) {
+                                     if (kind == ATTN_RF_M8N8K4) launch_attn_rf<decltype(kt), MmaM8N8K4>(grid, a);
+                                     else launch_attn_rf<decltype(kt), MmaM16N8K16>(grid, a);
+                                   });
   if (!found) { fprintf(stderr, "no kernel for D%d MB%d VEC%d\n", p.D, plan.mb, vec); abort(); }
   if (plan.num_splits > 1)
     combine_switch(p.D, g_combine_as ? g_combine_as : plan.num_splits, [&](auto ct) {
@@ -206,6 +212,7 @@ int main(int argc, char** argv) {
       printf("atoms %-12s %d group(s) of %dx%dx%d  max err %.2e %s\n", name, G, M, N, K, worst, ok ? "ok" : "FAIL");
     };
     atom(MmaM8N8K4{}, "m8n8k4");
+    atom(MmaM8N8K4RowRow{}, "m8n8k4 row.row");
     atom(MmaM16N8K16{}, "m16n8k16");
   }
   if (want("plan")) {  // host plan over a grid of shapes: bounds, whole waves, B-independence
@@ -382,6 +389,23 @@ int main(int argc, char** argv) {
             check(name, p, 4, sp);
           }
       }
+  }
+  if (want("rfkinds")) {  // D256 verify shapes (MB2, MB3, two row groups) on each kernel kind
+    const char* kinds[] = {"wmma", "rf-m8n8k4", "rf-m16n8k16"};
+    for (int kind = 0; kind < 3; ++kind) {
+      g_kind = kind;
+      for (int Q : {8, 4, 16, 5})  // 48, 24, 96 (2 x MB3) and 30 rows
+        for (int layout = 0; layout < 2; ++layout)
+          for (int sp : {1, 4}) {
+            Problem p = make(2, 6, 1, Q, 256, 37, 30, 9, layout, layout == 1);
+            p.seq_lens = {300, Q + 3};
+            p.block_table[3] = -1;
+            char name[64];
+            snprintf(name, sizeof name, "rfkinds %s Q%d L%d s%d", kinds[kind], Q, layout, sp);
+            check(name, p, 4, sp);
+          }
+    }
+    g_kind = -1;
   }
   if (want("fuzz")) {
     std::mt19937 r(2024);

@@ -1,0 +1,370 @@
+// Paged attention for D = 256 verify (2-3 row blocks of 16 query rows) with S, the softmax and O
+// in registers, on the MMA atoms of mma_atoms.h: m8n8k4 on SM70, m16n8k16 (the twin a newer GPU
+// times) elsewhere. Same op, same semantics as paged_attention.cuh, whose header says what a
+// CTA is; what differs is the tile:
+//   warp w = (row block rb = w / 4, tg = w % 4). Per tile of 32 tokens:
+//   gather+dequant K -> smem T | S[16 x 8] = Q K^T for rows of rb, tokens 8 tg.. (registers) |
+//   row max over the warp (shuffles), over the row block's 4 warps (smem) | V -> smem T over K |
+//   P = exp2(S - m) -> smem, alpha scales O in registers | O[16 x 64] += P V for columns 64 tg..
+// Four barriers per tile. Each warp keeps the sum of P over its own tokens; the row block's four
+// sums are added once, in warp order, in the epilogue. Shared memory is Q, one tile, P and the
+// row state (traits.h: AttnRfTraits): 46 KB, room for two CTAs on a V100 SM (the WMMA kernel
+// takes 94 KB), which sm_70's registers do not allow yet (traits.h: MIN_BLOCKS).
+// The layouts a lane's registers hold come from the atoms' documented fragment maps
+// (mma_atoms.h); RfOps below is all that differs between the two atoms.
+#pragma once
+
+#include "sm70attn/kv_tile.h"
+#include "sm70attn/mma_atoms.h"
+#include "sm70attn/params.h"
+#include "sm70attn/traits.h"
+#include "sm70attn/utils.h"
+
+namespace sm70attn {
+
+template <class Atom>
+struct RfOps;
+
+// m8n8k4 (SM70). Quad-pair g = lane % 16 / 4 of a warp computes an 8x8 block: in QK^T rows
+// 8 (g / 2).. of the row block over D half g % 2, the two halves added with one shuffle (lane
+// ^ 4 holds the other); in PV rows 8 (g / 2).. and the 4 column blocks of 8 from 32 (g % 2).
+// A lane's S and O elements lie in two rows of the block (slots 0, 1): the same two in S and
+// O, so alpha stays in registers. Both lanes of a quad-pair pair hold the same S.
+template <>
+struct RfOps<MmaM8N8K4> {
+  static constexpr int SE = 8;            // S elements a lane holds
+  static constexpr int OB = 4, OE = 8;     // O: OB atom accumulators of OE elements
+  static constexpr int XOR0 = 2, XOR1 = 0;  // lanes holding the other tokens of a lane's rows
+  static __device__ __forceinline__ int g(int lane) { return lane % 16 / 4; }
+  static __device__ __forceinline__ int row(int lane, int slot) {
+    return 8 * (lane % 16 / 8) + (lane & 1) + 2 * slot + 4 * (lane / 16);
+  }
+  static __device__ __forceinline__ int s_slot(int i) { return i >> 1 & 1; }
+  static __device__ __forceinline__ int s_col(int lane, int i) { return (i & 4) + (lane & 2) + (i & 1); }
+  static __device__ __forceinline__ bool s_writes(int lane, int i) { return s_slot(i) == (g(lane) & 1); }
+  static __device__ __forceinline__ bool owner(int lane, int slot) { return (g(lane) & 1) == slot && (lane & 2) == 0; }
+  static __device__ __forceinline__ int o_slot(int e) { return e >> 1 & 1; }
+  static __device__ __forceinline__ int o_col(int lane, int e) {
+    return 32 * (g(lane) & 1) + 8 * (e / 8) + (e & 4) + (lane & 2) + (e & 1);
+  }
+
+  // s = Q K^T for the row block's 16 rows (qa: its first Q row group) and 8 tokens (kt: their
+  // first row in T). A D half takes 4 chunks of 32 columns; half 1 starts with its second chunk,
+  // so the two halves' loads of one step fall in different banks. Unrolled whole: constant
+  // shared-memory offsets.
+  template <class KT>
+  static __device__ __forceinline__ void qk(float (&s)[8], const __half* qa, const __half* kt, int lane) {
+    constexpr int CHUNKS = KT::D / 2 / 32;
+    const int gg = g(lane), dh = gg & 1, r = lane % 4 + 4 * (lane / 16);
+    const __half* qp = qa + (gg >> 1) * KT::Q_GROUP + r * KT::QLD + dh * (KT::D / 2);
+    const __half* kp = kt + r * KT::KLD + dh * (KT::D / 2);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i] = 0.f;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      const int off = (c + dh) % CHUNKS * 32;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const uint2 a = *reinterpret_cast<const uint2*>(qp + off + 4 * k);
+        const uint2 b = *reinterpret_cast<const uint2*>(kp + off + 4 * k);
+        const unsigned af[2] = {a.x, a.y}, bf[2] = {b.x, b.y};
+        mma_atom(MmaM8N8K4{}, s, af, bf, s);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i] += __shfl_xor_sync(0xffffffffu, s[i], 4);  // a + b = b + a
+  }
+
+  // o += P V for the row block's rows (pa: its first P row) and the warp's columns (vt: the
+  // first in T).
+  template <class KT>
+  static __device__ __forceinline__ void pv(float (&o)[OB][OE], const __half* pa, const __half* vt, int lane) {
+    const int gg = g(lane), r = lane % 4 + 4 * (lane / 16);
+    const __half* pp = pa + (8 * (gg >> 1) + r) * KT::PLD;
+    const __half* vp = vt + (lane % 4) * KT::KLD + 32 * (gg & 1) + 4 * (lane / 16);
+#pragma unroll
+    for (int k = 0; k < KT::N / 4; ++k) {
+      const uint2 a = *reinterpret_cast<const uint2*>(pp + 4 * k);
+      const unsigned af[2] = {a.x, a.y};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint2 b = *reinterpret_cast<const uint2*>(vp + 4 * k * KT::KLD + 8 * j);
+        const unsigned bf[2] = {b.x, b.y};
+        mma_atom(MmaM8N8K4RowRow{}, o[j], af, bf, o[j]);
+      }
+    }
+  }
+};
+
+// m16n8k16 (SM80+): the warp computes the 16x8 S block whole, and O as 8 blocks of 16x8.
+template <>
+struct RfOps<MmaM16N8K16> {
+  static constexpr int SE = 4;
+  static constexpr int OB = 8, OE = 4;
+  static constexpr int XOR0 = 1, XOR1 = 2;
+  static __device__ __forceinline__ int row(int lane, int slot) { return lane / 4 + 8 * slot; }
+  static __device__ __forceinline__ int s_slot(int i) { return i >> 1; }
+  static __device__ __forceinline__ int s_col(int lane, int i) { return 2 * (lane % 4) + (i & 1); }
+  static __device__ __forceinline__ bool s_writes(int, int) { return true; }
+  static __device__ __forceinline__ bool owner(int lane, int) { return lane % 4 == 0; }
+  static __device__ __forceinline__ int o_slot(int e) { return e >> 1 & 1; }
+  static __device__ __forceinline__ int o_col(int lane, int e) { return 8 * (e / 4) + 2 * (lane % 4) + (e & 1); }
+
+  static __device__ __forceinline__ unsigned ld32(const __half* p) { return *reinterpret_cast<const unsigned*>(p); }
+
+  template <class KT>
+  static __device__ __forceinline__ void qk(float (&s)[4], const __half* qa, const __half* kt, int lane) {
+    const __half* q0 = qa + (lane / 4) * KT::QLD + 2 * (lane % 4);
+    const __half* q1 = q0 + KT::Q_GROUP;  // rows 8..15
+    const __half* kp = kt + (lane / 4) * KT::KLD + 2 * (lane % 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] = 0.f;
+#pragma unroll
+    for (int k = 0; k < KT::D / 16; ++k) {
+      const unsigned af[4] = {ld32(q0 + 16 * k), ld32(q1 + 16 * k), ld32(q0 + 16 * k + 8), ld32(q1 + 16 * k + 8)};
+      const unsigned bf[2] = {ld32(kp + 16 * k), ld32(kp + 16 * k + 8)};
+      mma_atom(MmaM16N8K16{}, s, af, bf, s);
+    }
+  }
+
+  template <class KT>
+  static __device__ __forceinline__ void pv(float (&o)[OB][OE], const __half* pa, const __half* vt, int lane) {
+    const __half* p0 = pa + (lane / 4) * KT::PLD + 2 * (lane % 4);
+    const __half* p1 = p0 + 8 * KT::PLD;
+    const __half* vr = vt + (lane / 8 % 2 * 8 + lane % 8) * KT::KLD + 8 * (lane / 16);
+#pragma unroll
+    for (int k = 0; k < KT::N / 16; ++k) {
+      const unsigned af[4] = {ld32(p0 + 16 * k), ld32(p1 + 16 * k), ld32(p0 + 16 * k + 8), ld32(p1 + 16 * k + 8)};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        unsigned r[4];
+        ldsm_x4_trans(r, vr + 16 * k * KT::KLD + 16 * j);
+        const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+        mma_atom(MmaM16N8K16{}, o[2 * j], af, b0, o[2 * j]);
+        mma_atom(MmaM16N8K16{}, o[2 * j + 1], af, b1, o[2 * j + 1]);
+      }
+    }
+  }
+};
+
+template <class KT, class Atom>
+__global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
+    paged_attention_rf_kernel(const PagedAttnParams p) {
+  using Ops = RfOps<Atom>;
+  constexpr int D = KT::D, N = KT::N, ROWS = KT::ROWS, TG = KT::TG, SE = Ops::SE;
+  constexpr unsigned FULL = 0xffffffffu;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  __half* Qs = reinterpret_cast<__half*>(smem + KT::Q_OFF);    // [2 MB groups][Q_GROUP]: 8 rows of QLD
+  __half* Ts = reinterpret_cast<__half*>(smem + KT::T_OFF);    // [N][KLD]: K, then V
+  __half* Ps = reinterpret_cast<__half*>(smem + KT::P_OFF);    // [ROWS][PLD]
+  float* red = reinterpret_cast<float*>(smem + KT::RED_OFF);   // [ROWS][TG]
+  int* tok_ok = reinterpret_cast<int*>(smem + KT::TOK_OFF);    // [N]
+  float* row_m = reinterpret_cast<float*>(smem + KT::ML_OFF);  // epilogue: row max (log2 units)
+  float* row_l = row_m + ROWS;                                 // and row sum
+  float* Es = reinterpret_cast<float*>(smem);                  // [ROWS][ELD], epilogue only
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rb = warp / TG, tg = warp % TG;
+
+  const int bkv = fastdiv(blockIdx.x, p.div_rg), rg = blockIdx.x - bkv * p.row_groups;
+  const int b = fastdiv(bkv, p.div_hkv), kvh = bkv - b * p.H_kv, split = blockIdx.y;
+  const int row0 = rg * ROWS, nrows = min(ROWS, p.rows - row0);
+  const i64 out_row0 = ((i64)b * p.H_q + (i64)kvh * p.G) * p.Q + row0;
+
+  const int capacity = p.max_pages * p.page_size;
+  const int len = min(max(p.seq_lens[b * p.seq_lens_stride], 0), capacity);
+  const int chunk = (fastdiv(len + p.num_splits - 1, p.div_splits) + N - 1) / N * N;
+  const int t_begin = (int)min((i64)len, (i64)split * chunk);
+  const int t_end = min(len, t_begin + chunk);
+
+  if (t_begin >= t_end) {  // as paged_attention.cuh: zero rows, or an empty partial
+    if (p.num_splits == 1) {
+      for (int c = tid; c < nrows * (D / 8); c += KT::THREADS)
+        *reinterpret_cast<uint4*>(p.out + (out_row0 + c / (D / 8)) * D + c % (D / 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
+    } else {
+      for (int c = tid; c < nrows * (D / 4); c += KT::THREADS)
+        *reinterpret_cast<float4*>(p.part_acc + ((out_row0 + c / (D / 4)) * p.num_splits + split) * D + c % (D / 4) * 4) =
+            make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int lr = tid; lr < nrows; lr += KT::THREADS)
+        p.part_ml[(out_row0 + lr) * p.num_splits + split] = make_float2(neg_inf(), 0.f);
+    }
+    return;
+  }
+
+  // Q rows -> fp16 shared memory in groups of 8 rows (two 8-byte stores: a group starts 8 bytes
+  // off 16), D permuted within groups of 4 like K and V; padding rows are zero.
+  for (int c = tid; c < ROWS * (D / 8); c += KT::THREADS) {
+    const int lr = c / (D / 8), part = c % (D / 8);
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (lr < nrows) {
+      const int m = row0 + lr, g = fastdiv(m, p.div_q), r = m - g * p.Q;
+      const __half* src = p.q + b * p.q_stride_b + (i64)(kvh * p.G + g) * p.q_stride_h + r * p.q_stride_r + part * 8;
+      if (p.q_vec16) {
+        x = __ldg(reinterpret_cast<const uint4*>(src));
+      } else {
+        const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
+        x.x = __ldg(s + 0) | (unsigned)__ldg(s + 1) << 16;
+        x.y = __ldg(s + 2) | (unsigned)__ldg(s + 3) << 16;
+        x.z = __ldg(s + 4) | (unsigned)__ldg(s + 5) << 16;
+        x.w = __ldg(s + 6) | (unsigned)__ldg(s + 7) << 16;
+      }
+    }
+    uint2* dst = reinterpret_cast<uint2*>(Qs + lr / 8 * KT::Q_GROUP + lr % 8 * KT::QLD + part * 8);
+    dst[0] = make_uint2(__byte_perm(x.x, x.y, 0x5410), __byte_perm(x.x, x.y, 0x7632));
+    dst[1] = make_uint2(__byte_perm(x.z, x.w, 0x5410), __byte_perm(x.z, x.w, 0x7632));
+  }
+
+  constexpr int OB = Ops::OB, OE = Ops::OE;
+  float o[OB][OE];  // O[rows of rb][columns 64 tg + Ops::o_col(lane, OE j + i)], unnormalised
+#pragma unroll
+  for (int j = 0; j < OB; ++j)
+#pragma unroll
+    for (int i = 0; i < OE; ++i) o[j][i] = 0.f;
+
+  const float sl2 = p.scale_log2 * __ldg(p.k_scale + kvh * p.k_scale_stride) * 256.f;
+  const int part0 = KvStage<KT>::part0(tid) * KT::VEC;
+  const unsigned char* kb = p.k + kvh * p.k_stride_head + part0;
+  const unsigned char* vb = p.v + kvh * p.v_stride_head + part0;
+  const int* bt = p.block_table + b * p.bt_stride_b;
+
+  // The lane's two rows of the block (slots), their last visible token (t <= len - Q + r;
+  // padding rows none) and running max; the sum of P over this warp's tokens.
+  int last[2], lrow[2];
+  float m_run[2], l_run[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    lrow[k] = 16 * rb + Ops::row(lane, k);
+    const int m = row0 + lrow[k];
+    last[k] = lrow[k] < nrows ? len - p.Q + m - fastdiv(m, p.div_q) * p.Q : -1;
+    m_run[k] = neg_inf(), l_run[k] = 0.f;
+  }
+
+  KvStage<KT> st;
+  st.template load_one<false>(p, kb, bt, t_begin, t_end, tid);
+  st.template load_one<true>(p, vb, bt, t_begin, t_end, tid);
+  for (int t0 = t_begin; t0 < t_end; t0 += N) {
+    __syncthreads();  // previous PV done with T and P (first tile: Q stored)
+    st.template store_one<false>(Ts, tok_ok, tid);
+    __syncthreads();
+
+    float s[SE];
+    Ops::template qk<KT>(s, Qs + 2 * rb * KT::Q_GROUP, Ts + 8 * tg * KT::KLD, lane);
+    // Mask (future tokens, invalid pages), scale to log2 units; the row maxima of this warp's
+    // tokens go to red for the row block's other warps.
+    float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+    for (int i = 0; i < SE; ++i) {
+      const int k = Ops::s_slot(i), j = 8 * tg + Ops::s_col(lane, i);
+      s[i] = j <= last[k] - t0 && tok_ok[j] ? s[i] * sl2 : neg_inf();
+      mx[k] = fmaxf(mx[k], s[i]);
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      mx[k] = fmaxf(mx[k], __shfl_xor_sync(FULL, mx[k], Ops::XOR0));
+      if (Ops::XOR1) mx[k] = fmaxf(mx[k], __shfl_xor_sync(FULL, mx[k], Ops::XOR1));
+      if (Ops::owner(lane, k)) red[lrow[k] * TG + tg] = mx[k];
+    }
+    __syncthreads();  // every warp done with K; the maxima are in red
+
+    st.template store_one<true>(Ts, tok_ok, tid);  // V over K
+    if (t0 + N < t_end) st.template load_one<false>(p, kb, bt, t0 + N, t_end, tid);
+    if (t0 + N < t_end) st.template load_one<true>(p, vb, bt, t0 + N, t_end, tid);
+
+    // Online softmax, fp32. Every warp of the row block reads the same four maxima, so all agree
+    // on m. A row that has seen no token (m_old = -inf: every padding row) gets p = 0 and
+    // alpha = 0 on an O that is 0; skipping the rescale when no other row moved is bitwise
+    // the same.
+    float alpha[2], m_use[2];
+    bool mv = false;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const float4 r = *reinterpret_cast<const float4*>(red + lrow[k] * TG);
+      const float m_new = fmaxf(m_run[k], fmaxf(fmaxf(r.x, r.y), fmaxf(r.z, r.w)));
+      m_use[k] = m_new == neg_inf() ? 0.f : m_new;
+      alpha[k] = exp2f(m_run[k] - m_use[k]);
+      mv |= alpha[k] != 1.f && m_run[k] != neg_inf();
+      m_run[k] = m_new;
+    }
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < SE; ++i) {
+      s[i] = exp2f(s[i] - m_use[Ops::s_slot(i)]);
+      sum[Ops::s_slot(i)] += s[i];
+    }
+#pragma unroll
+    for (int i = 0; i < SE; i += 2)  // elements i, i + 1: adjacent tokens of one row
+      if (Ops::s_writes(lane, i))
+        *reinterpret_cast<unsigned*>(Ps + lrow[Ops::s_slot(i)] * KT::PLD + 8 * tg + Ops::s_col(lane, i)) =
+            pack_half2(s[i], s[i + 1]);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      sum[k] += __shfl_xor_sync(FULL, sum[k], Ops::XOR0);
+      if (Ops::XOR1) sum[k] += __shfl_xor_sync(FULL, sum[k], Ops::XOR1);
+      l_run[k] = l_run[k] * alpha[k] + sum[k];
+    }
+    if (__any_sync(FULL, mv)) {
+#pragma unroll
+      for (int j = 0; j < OB; ++j)
+#pragma unroll
+        for (int i = 0; i < OE; ++i) o[j][i] *= alpha[Ops::o_slot(OE * j + i)];
+    }
+    __syncthreads();  // V and P stored
+
+    Ops::template pv<KT>(o, Ps + 16 * rb * KT::PLD, Ts + KT::DW * tg, lane);
+  }
+
+  // Epilogue. Row state: m is the same in the row block's warps; l is their four sums, added in
+  // warp order.
+  __syncthreads();  // every warp done with T, P and red's maxima
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+    if (Ops::owner(lane, k)) {
+      red[lrow[k] * TG + tg] = l_run[k];
+      if (tg == 0) row_m[lrow[k]] = m_run[k];
+    }
+  __syncthreads();
+  for (int i = tid; i < ROWS; i += KT::THREADS) {
+    const float4 r = *reinterpret_cast<const float4*>(red + i * TG);
+    row_l[i] = ((r.x + r.y) + r.z) + r.w;
+  }
+  // O -> smem (fp32, half of D at a time) -> coalesced rows of out (fp16, normalised,
+  // * v_scale * 2^8) or of the fp32 partials; columns in the permuted D order (e4m3.h).
+  const float vsc = __ldg(p.v_scale + kvh * p.v_scale_stride) * 256.f;
+#pragma unroll 1
+  for (int h = 0; h < 2; ++h) {
+    __syncthreads();  // row_l written; the previous half read out of Es
+    if (tg / 2 == h) {
+#pragma unroll
+      for (int j = 0; j < OB; ++j)
+#pragma unroll
+        for (int i = 0; i < OE; ++i)
+          Es[lrow[Ops::o_slot(OE * j + i)] * KT::ELD + KT::DW * (tg % 2) + Ops::o_col(lane, OE * j + i)] = o[j][i];
+    }
+    __syncthreads();
+    constexpr int HD = D / 2;
+    if (p.num_splits == 1) {
+      for (int c = tid; c < nrows * (HD / 8); c += KT::THREADS) {
+        const int lr = c / (HD / 8), part = c % (HD / 8);
+        const float l = row_l[lr], f = l > 0.f ? vsc / l : 0.f;
+        const float4 e0 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8);
+        const float4 e1 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8 + 4);
+        *reinterpret_cast<uint4*>(p.out + (out_row0 + lr) * D + h * HD + part * 8) =
+            make_uint4(pack_half2(e0.x * f, e0.z * f), pack_half2(e0.y * f, e0.w * f),
+                       pack_half2(e1.x * f, e1.z * f), pack_half2(e1.y * f, e1.w * f));
+      }
+    } else {
+      for (int c = tid; c < nrows * (HD / 4); c += KT::THREADS) {
+        const int lr = c / (HD / 4), part = c % (HD / 4);
+        const float4 e = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 4);  // d0, d2, d1, d3
+        *reinterpret_cast<float4*>(p.part_acc + ((out_row0 + lr) * p.num_splits + split) * D + h * HD + part * 4) =
+            make_float4(e.x, e.z, e.y, e.w);
+      }
+    }
+  }
+  if (p.num_splits > 1)
+    for (int lr = tid; lr < nrows; lr += KT::THREADS)
+      p.part_ml[(out_row0 + lr) * p.num_splits + split] = make_float2(row_m[lr], row_l[lr]);
+}
+
+}  // namespace sm70attn
