@@ -30,11 +30,9 @@ import torch_sm70attn as sa  # noqa: E402
 FP8 = torch.float8_e4m3fn
 
 
-def cells():
-    """(label, problem kwargs, VEC, several splits wanted) covering every listed kernel."""
-    rf_kinds = ["rf-m8n8k4"] + (
-        ["rf-m16n8k16"] if torch.cuda.get_device_capability()[0] >= 8 else []
-    )
+def cells(rf_kinds=("rf-m8n8k4", "rf-m16n8k16")):
+    """(kernel kind, label, problem kwargs, VEC, several splits wanted) covering every listed
+    kernel: the WMMA kernels, and the register-fragment ones on each of rf_kinds."""
     want_attn = {("wmma", *e) for e in switch_entries("SM70ATTN_ATTN_KERNELS")}
     want_attn |= {(k, *e) for e in switch_entries("SM70ATTN_RF_KERNELS") for k in rf_kinds}
     want_comb = set(switch_entries("SM70ATTN_COMBINE_KERNELS"))
