@@ -84,8 +84,9 @@ struct KvStage {
     }
   }
 
-  // One tensor at a time (K: IS_V false, which also sets ok and, when stored, the token flags),
-  // for a kernel that stores V over K (paged_attention_rf.cuh). base: kb or vb as in load.
+  // One tensor at a time through one register stage (k[]; v[] stays unused), for a kernel that
+  // stores V over K (paged_attention_rf.cuh): K's load also sets ok, and K's store the token
+  // flags; a token not read is zeros. base: kb or vb as in load.
   template <bool IS_V>
   __device__ __forceinline__ void load_one(const PagedAttnParams& p, const unsigned char* base, const int* bt,
                                            int t0, int t_end, int tid) {
@@ -99,9 +100,13 @@ struct KvStage {
         const unsigned char* ptr = base + page * (IS_V ? p.v_stride_page : p.k_stride_page) +
                                    off * (IS_V ? p.v_stride_tok : p.k_stride_tok);
 #pragma unroll
-        for (int l = 0; l < LPT; ++l) (IS_V ? v : k)[l] = __ldg(reinterpret_cast<const Vec*>(ptr + l * TPK * KT::VEC));
+        for (int l = 0; l < LPT; ++l) k[l] = __ldg(reinterpret_cast<const Vec*>(ptr + l * TPK * KT::VEC));
         okk = true;
       }
+    }
+    if (!okk) {  // zeros, not the last tensor's bytes: the stage is dead between store and load
+#pragma unroll
+      for (int l = 0; l < LPT; ++l) zero(k[l]);
     }
     if (!IS_V) ok = okk;
   }
@@ -111,7 +116,7 @@ struct KvStage {
     if (KT::ACTIVE == KT::THREADS || tid < KT::ACTIVE) {
       const int j = token(tid), q = part0(tid);
 #pragma unroll
-      for (int l = 0; l < LPT; ++l) store_chunk(T + j * KT::KLD + (q + l * TPK) * KT::VEC, (IS_V ? v : k)[l]);
+      for (int l = 0; l < LPT; ++l) store_chunk(T + j * KT::KLD + (q + l * TPK) * KT::VEC, k[l]);
       if (!IS_V && q == 0) tok_ok[j] = ok;
     }
   }

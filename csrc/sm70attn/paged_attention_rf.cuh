@@ -8,8 +8,12 @@
 //   P = exp2(S - m) -> smem, alpha scales O in registers | O[16 x 64] += P V for columns 64 tg..
 // Four barriers per tile. Each warp keeps the sum of P over its own tokens; the row block's four
 // sums are added once, in warp order, in the epilogue. Shared memory is Q, one tile, P and the
-// row state (traits.h: AttnRfTraits): 46 KB, room for two CTAs on a V100 SM (the WMMA kernel
-// takes 94 KB), which sm_70's registers do not allow yet (traits.h: MIN_BLOCKS).
+// row state (traits.h: AttnRfTraits): 46 KB, so two CTAs share a V100 SM (the WMMA kernel takes
+// 94 KB), in 80 registers a thread: across the tile loop a thread holds O (32), one register
+// stage of K or V and little else. The rows' limits, the gather's bases and the epilogue's
+// values wait in shared memory, indices from threadIdx are recomputed, the stage is zeroed
+// where nothing is read (so it is dead between its store and the next load), and the epilogue
+// is unrolled (O is dead once stored); each of these took spills away on sm_70.
 // The layouts a lane's registers hold come from the atoms' documented fragment maps
 // (mma_atoms.h); RfOps below is all that differs between the two atoms.
 #pragma once
@@ -147,6 +151,30 @@ struct RfOps<MmaM16N8K16> {
   }
 };
 
+// 2^x for the softmax's P (x <= 0): the MUFU instruction alone, subnormal results flushed to 0
+// (exp2f adds its range handling: 24 instructions a tile). The CPU emulator takes exp2f.
+__device__ __forceinline__ float ex2_approx(float x) {
+#if defined(__CUDACC__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return x < -126.f ? 0.f : exp2f(x);
+#endif
+}
+
+// threadIdx.x read again (volatile: not merged with other reads), so that values derived from it
+// need not be held in registers across the tile loop.
+__device__ __forceinline__ int tid_again() {
+#if defined(__CUDACC__)
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+#else
+  return (int)threadIdx.x;
+#endif
+}
+
 template <class KT, class Atom>
 __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     paged_attention_rf_kernel(const PagedAttnParams p) {
@@ -162,6 +190,9 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   int* tok_ok = reinterpret_cast<int*>(smem + KT::TOK_OFF);    // [N]
   float* row_m = reinterpret_cast<float*>(smem + KT::ML_OFF);  // epilogue: row max (log2 units)
   float* row_l = row_m + ROWS;                                 // and row sum
+  int* last_s = reinterpret_cast<int*>(smem + KT::LAST_OFF);   // [ROWS] last visible token
+  // out_row0, split | nrows << 32, the KV head's K and V bases, the block table row, v_scale
+  i64* meta = reinterpret_cast<i64*>(smem + KT::META_OFF);
   float* Es = reinterpret_cast<float*>(smem);                  // [ROWS][ELD], epilogue only
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -223,29 +254,46 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     for (int i = 0; i < OE; ++i) o[j][i] = 0.f;
 
   const float sl2 = p.scale_log2 * __ldg(p.k_scale + kvh * p.k_scale_stride) * 256.f;
-  const int part0 = KvStage<KT>::part0(tid) * KT::VEC;
-  const unsigned char* kb = p.k + kvh * p.k_stride_head + part0;
-  const unsigned char* vb = p.v + kvh * p.v_stride_head + part0;
-  const int* bt = p.block_table + b * p.bt_stride_b;
 
-  // The lane's two rows of the block (slots), their last visible token (t <= len - Q + r;
-  // padding rows none) and running max; the sum of P over this warp's tokens.
-  int last[2], lrow[2];
+  // Each row's last visible token (t <= len - Q + r; padding rows none) and the values the
+  // epilogue needs go to shared memory (ordered by the loop's first barrier): registers held
+  // across the tile loop are what two CTAs per SM70 SM lack.
+  for (int lr = tid; lr < ROWS; lr += KT::THREADS) {
+    const int m = row0 + lr;
+    last_s[lr] = lr < nrows ? len - p.Q + m - fastdiv(m, p.div_q) * p.Q : -1;
+  }
+  if (tid == 0) {
+    meta[0] = out_row0, meta[1] = (i64)split | (i64)nrows << 32;
+    meta[2] = reinterpret_cast<i64>(p.k + kvh * p.k_stride_head);
+    meta[3] = reinterpret_cast<i64>(p.v + kvh * p.v_stride_head);
+    meta[4] = reinterpret_cast<i64>(p.block_table + b * p.bt_stride_b);
+    meta[5] = __float_as_uint(__ldg(p.v_scale + kvh * p.v_scale_stride) * 256.f);
+  }
+  // The gather's bases, read back where they are used (this thread's first chunk added).
+  const int part0 = KvStage<KT>::part0(tid) * KT::VEC;
+  auto kbase = [&] { return reinterpret_cast<const unsigned char*>(meta[2]) + KvStage<KT>::part0(tid_again()) * KT::VEC; };
+  auto vbase = [&] { return reinterpret_cast<const unsigned char*>(meta[3]) + KvStage<KT>::part0(tid_again()) * KT::VEC; };
+  auto btab = [&] { return reinterpret_cast<const int*>(meta[4]); };
+
+  // The lane's two rows of the block (slots), their running max, and the sum of P over this
+  // warp's tokens.
+  int lrow[2];
   float m_run[2], l_run[2];
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     lrow[k] = 16 * rb + Ops::row(lane, k);
-    const int m = row0 + lrow[k];
-    last[k] = lrow[k] < nrows ? len - p.Q + m - fastdiv(m, p.div_q) * p.Q : -1;
     m_run[k] = neg_inf(), l_run[k] = 0.f;
   }
 
+  // One register stage: K(i) is stored, V(i) loaded into the same registers during QK^T and
+  // stored over K, then K(i + 1) loaded during the softmax and PV.
   KvStage<KT> st;
-  st.template load_one<false>(p, kb, bt, t_begin, t_end, tid);
-  st.template load_one<true>(p, vb, bt, t_begin, t_end, tid);
+  __syncthreads();  // Q, last_s and meta stored
+  st.template load_one<false>(p, kbase(), btab(), t_begin, t_end, tid);
   for (int t0 = t_begin; t0 < t_end; t0 += N) {
     __syncthreads();  // previous PV done with T and P (first tile: Q stored)
-    st.template store_one<false>(Ts, tok_ok, tid);
+    st.template store_one<false>(Ts, tok_ok, tid_again());
+    st.template load_one<true>(p, vbase(), btab(), t0, t_end, tid_again());
     __syncthreads();
 
     float s[SE];
@@ -253,10 +301,11 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     // Mask (future tokens, invalid pages), scale to log2 units; the row maxima of this warp's
     // tokens go to red for the row block's other warps.
     float mx[2] = {neg_inf(), neg_inf()};
+    const int lim[2] = {last_s[lrow[0]] - t0, last_s[lrow[1]] - t0};
 #pragma unroll
     for (int i = 0; i < SE; ++i) {
       const int k = Ops::s_slot(i), j = 8 * tg + Ops::s_col(lane, i);
-      s[i] = j <= last[k] - t0 && tok_ok[j] ? s[i] * sl2 : neg_inf();
+      s[i] = j <= lim[k] && tok_ok[j] ? s[i] * sl2 : neg_inf();
       mx[k] = fmaxf(mx[k], s[i]);
     }
 #pragma unroll
@@ -267,9 +316,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     }
     __syncthreads();  // every warp done with K; the maxima are in red
 
-    st.template store_one<true>(Ts, tok_ok, tid);  // V over K
-    if (t0 + N < t_end) st.template load_one<false>(p, kb, bt, t0 + N, t_end, tid);
-    if (t0 + N < t_end) st.template load_one<true>(p, vb, bt, t0 + N, t_end, tid);
+    st.template store_one<true>(Ts, tok_ok, tid_again());  // V over K
 
     // Online softmax, fp32. Every warp of the row block reads the same four maxima, so all agree
     // on m. A row that has seen no token (m_old = -inf: every padding row) gets p = 0 and
@@ -289,7 +336,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     float sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < SE; ++i) {
-      s[i] = exp2f(s[i] - m_use[Ops::s_slot(i)]);
+      s[i] = ex2_approx(s[i] - m_use[Ops::s_slot(i)]);
       sum[Ops::s_slot(i)] += s[i];
     }
 #pragma unroll
@@ -309,6 +356,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
 #pragma unroll
         for (int i = 0; i < OE; ++i) o[j][i] *= alpha[Ops::o_slot(OE * j + i)];
     }
+    st.template load_one<false>(p, kbase(), btab(), t0 + N, t_end, tid_again());  // zeros past t_end
     __syncthreads();  // V and P stored
 
     Ops::template pv<KT>(o, Ps + 16 * rb * KT::PLD, Ts + KT::DW * tg, lane);
@@ -317,6 +365,8 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   // Epilogue. Row state: m is the same in the row block's warps; l is their four sums, added in
   // warp order.
   __syncthreads();  // every warp done with T, P and red's maxima
+  const i64 e_row0 = meta[0];
+  const int e_split = (int)meta[1], e_nrows = (int)(meta[1] >> 32);
 #pragma unroll
   for (int k = 0; k < 2; ++k)
     if (Ops::owner(lane, k)) {
@@ -330,8 +380,8 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   }
   // O -> smem (fp32, half of D at a time) -> coalesced rows of out (fp16, normalised,
   // * v_scale * 2^8) or of the fp32 partials; columns in the permuted D order (e4m3.h).
-  const float vsc = __ldg(p.v_scale + kvh * p.v_scale_stride) * 256.f;
-#pragma unroll 1
+  const float vsc = __uint_as_float((unsigned)meta[5]);
+#pragma unroll  // (o is dead once its half is stored)
   for (int h = 0; h < 2; ++h) {
     __syncthreads();  // row_l written; the previous half read out of Es
     if (tg / 2 == h) {
@@ -344,27 +394,27 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     __syncthreads();
     constexpr int HD = D / 2;
     if (p.num_splits == 1) {
-      for (int c = tid; c < nrows * (HD / 8); c += KT::THREADS) {
+      for (int c = tid; c < e_nrows * (HD / 8); c += KT::THREADS) {
         const int lr = c / (HD / 8), part = c % (HD / 8);
         const float l = row_l[lr], f = l > 0.f ? vsc / l : 0.f;
         const float4 e0 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8);
         const float4 e1 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8 + 4);
-        *reinterpret_cast<uint4*>(p.out + (out_row0 + lr) * D + h * HD + part * 8) =
+        *reinterpret_cast<uint4*>(p.out + (e_row0 + lr) * D + h * HD + part * 8) =
             make_uint4(pack_half2(e0.x * f, e0.z * f), pack_half2(e0.y * f, e0.w * f),
                        pack_half2(e1.x * f, e1.z * f), pack_half2(e1.y * f, e1.w * f));
       }
     } else {
-      for (int c = tid; c < nrows * (HD / 4); c += KT::THREADS) {
+      for (int c = tid; c < e_nrows * (HD / 4); c += KT::THREADS) {
         const int lr = c / (HD / 4), part = c % (HD / 4);
         const float4 e = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 4);  // d0, d2, d1, d3
-        *reinterpret_cast<float4*>(p.part_acc + ((out_row0 + lr) * p.num_splits + split) * D + h * HD + part * 4) =
+        *reinterpret_cast<float4*>(p.part_acc + ((e_row0 + lr) * p.num_splits + e_split) * D + h * HD + part * 4) =
             make_float4(e.x, e.z, e.y, e.w);
       }
     }
   }
   if (p.num_splits > 1)
-    for (int lr = tid; lr < nrows; lr += KT::THREADS)
-      p.part_ml[(out_row0 + lr) * p.num_splits + split] = make_float2(row_m[lr], row_l[lr]);
+    for (int lr = tid; lr < e_nrows; lr += KT::THREADS)
+      p.part_ml[(e_row0 + lr) * p.num_splits + e_split] = make_float2(row_m[lr], row_l[lr]);
 }
 
 }  // namespace sm70attn

@@ -119,10 +119,8 @@ __host__ __device__ constexpr bool attn_uses_rf(int d, int mb) { return d == 256
 // ptxas emulates it) or on m16n8k16 (SM80+).
 enum AttnKind : int { ATTN_WMMA = 0, ATTN_RF_M8N8K4 = 1, ATTN_RF_M16N8K16 = 2 };
 
-// The kind a call takes unless set_kernel_override says otherwise: the WMMA kernel, on every
-// GPU for now. sm_70's m8n8k4 kernel needs 158 registers a thread without spills, so it holds
-// one CTA per V100 SM like the WMMA kernel, with more instructions a token (docs/perf.md); it
-// and its m16n8k16 twin are built and tested for the work that would fit it in two.
+// The kind a call takes unless set_kernel_override says otherwise: the WMMA kernel (docs/perf.md,
+// "The register-fragment kernel", has the A/B runs and the V100 model's figures).
 __host__ __device__ constexpr int attn_default_kind(int, int) { return ATTN_WMMA; }
 
 // The register-fragment kernel's tile: ROWS = 16 MB query rows, 32-token tiles, 4 warps per
@@ -151,18 +149,20 @@ struct AttnRfTraits {
   static constexpr int RED_OFF = P_OFF + ROWS * PLD * 2;  // [ROWS][TG] fp32: maxima, then sums
   static constexpr int TOK_OFF = RED_OFF + ROWS * TG * 4;  // [N] "page valid" flags
   static constexpr int ML_OFF = TOK_OFF + N * 4;           // row max, row sum (epilogue)
-  static constexpr int SMEM_BYTES = ML_OFF + 2 * ROWS * 4;
+  static constexpr int LAST_OFF = ML_OFF + 2 * ROWS * 4;   // [ROWS] last visible token per row
+  static constexpr int META_OFF = LAST_OFF + ROWS * 4;     // 6 CTA values (8 bytes each)
+  static constexpr int SMEM_BYTES = META_OFF + 48;
   static constexpr int EPI_BYTES = ROWS * ELD * 4;  // fp32 O, half of D at a time (aliases Q, T)
-  // One CTA per SM asked of ptxas: at two (<= 85 registers at 384 threads) sm_70's m8n8k4
-  // kernel spills 172-192 bytes, unbounded it takes 158; sm_90a's m16n8k16 twin spills 32
-  // bytes at two, takes 135 at one.
-  static constexpr int MIN_BLOCKS = 1;
+  // Two CTAs per SM70 SM: <= 80 registers a thread at 384 threads, which sm_70's m8n8k4 build
+  // meets without spills (and sm_90a's m16n8k16 twin), because the tile loop keeps little
+  // besides O in registers (paged_attention_rf.cuh). MB2 (256 threads) gets up to 128.
+  static constexpr int MIN_BLOCKS = 2;
   static_assert(attn_uses_rf(D, MB) && D == 256, "register-fragment kernel: D = 256 verify");
   static_assert(VEC == 8 || VEC == 16, "load width");
-  static_assert(2 * SMEM_BYTES <= 96 * 1024, "shared memory for two CTAs per SM70 SM");
+  static_assert(MIN_BLOCKS * SMEM_BYTES <= 96 * 1024, "two CTAs per SM70 SM");
   static_assert(EPI_BYTES <= RED_OFF, "epilogue staging leaves the row state");
   static_assert(CPT % TPK == 0 && ACTIVE <= THREADS, "gather layout");
-  static_assert(T_OFF % 16 == 0 && P_OFF % 16 == 0 && RED_OFF % 16 == 0, "16-byte accesses");
+  static_assert(T_OFF % 16 == 0 && P_OFF % 16 == 0 && RED_OFF % 16 == 0 && META_OFF % 8 == 0, "aligned accesses");
 };
 
 // Most context splits the plan makes (plan.h).
