@@ -93,6 +93,25 @@ def warps(d: int, mb: int) -> int:
     return mb * max(for_cta, d // 64)
 
 
+# The register-fragment kernel (paged_attention_rf.cuh) where it applies; which GPUs take it
+# by default (traits.h: attn_default_kind). Its tiles are 32 tokens and its CTAs 4 warps per
+# row block; the plan (plan.h) is the same for both kinds.
+def uses_rf(d: int, mb: int) -> bool:
+    return d == 256 and mb in (2, 3)
+
+
+RF_DEFAULT = {"sm_70": False, "sm_90": False}
+
+
+def default_kind(arch: str, d: int, mb: int) -> str:
+    return "rf" if RF_DEFAULT[arch] and uses_rf(d, mb) else "wmma"
+
+
+def kind_of(rec: dict) -> str:
+    """The kind a recorded plan ran (bench JSON: the binding's plan(); older runs: WMMA)."""
+    return "rf" if rec.get("kernel", "wmma").startswith("rf") else "wmma"
+
+
 def plan(B, H_q, H_kv, Q, D, capacity, num_sms, ctas_per_sm=2) -> dict:
     """plan_paged_attention of plan.h: mb, row_groups, num_splits."""
     rows = H_q // H_kv * Q
@@ -190,8 +209,17 @@ def load_sass() -> dict:
     return json.load(open(os.path.join(DATA, "sass.json")))
 
 
-def kernel_name(d: int, mb: int) -> str:
+def kernel_name(d: int, mb: int, kind: str = "wmma", arch: str = "sm_70") -> str:
+    """The kernel's name in docs/data/sass.json: the register-fragment kind on the arch's atom."""
+    if kind == "rf":
+        return f"attn-rf D{d} MB{mb} VEC16 {'m8n8k4' if arch == 'sm_70' else 'm16n8k16'}"
     return f"attn D{d} MB{mb} VEC16"
+
+
+def cal_name(d: int, mb: int, kind: str = "wmma") -> str:
+    """The name of a kernel's fitted latency constant ("c " + this): the register-fragment
+    kernel shares one between its two atoms (its H200 runs are the m16n8k16 twin)."""
+    return f"attn-rf D{d} MB{mb}" if kind == "rf" else kernel_name(d, mb)
 
 
 # --- the time of one call ---------------------------------------------------------------------
@@ -257,32 +285,36 @@ def predict(
     num_sms=None,
     ctas_per_sm=None,
     hmma_latency="hi",
+    kind=None,
 ) -> dict:
     """Predicted ms of one call and its bounds. cell: B, Q, ctx, H_kv, G, D, page. num_sms and
-    ctas_per_sm override the GPU's (the V100-shaped grids on the H200)."""
+    ctas_per_sm override the GPU's (the V100-shaped grids on the H200); kind ("wmma" or "rf")
+    the GPU's default kernel where the register-fragment one applies."""
     gpu = GPUS[gpu_name]
     arch = gpu["arch"]
     B, Q, ctx, H_kv, G, D, page = (cell[k] for k in ("B", "Q", "ctx", "H_kv", "G", "D", "page"))
     cap = cdiv(ctx, page) * page
     sms = num_sms or gpu["sms"]
     mb0 = plan(B, G * H_kv, H_kv, Q, D, cap, sms)["mb"]
-    k = sass[arch][kernel_name(D, mb0)]
+    kind = kind if kind and uses_rf(D, mb0) else default_kind(arch, D, mb0)
+    k = sass[arch][kernel_name(D, mb0, kind, arch)]
     occ = ctas_per_sm or occupancy(k["regs"], k["threads"], k["smem"], gpu)
     pl = plan(B, G * H_kv, H_kv, Q, D, cap, sms, occ)
-    W, N, S = warps(D, pl["mb"]), tile_tokens(D, pl["mb"]), pl["num_splits"]
+    S = pl["num_splits"]
+    W, N = (4 * pl["mb"], 32) if kind == "rf" else (warps(D, pl["mb"]), tile_tokens(D, pl["mb"]))
     tiles = splits_tiles(ctx, S, N)
     n_cta = B * H_kv * pl["row_groups"] * S
     resident = min(occ, cdiv(n_cta, sms))
     w = resident * W / SCHEDULERS  # warps per scheduler
-    name = kernel_name(D, pl["mb"])
-    if "c " + name not in prm:
-        raise KeyError(f"{name} is not calibrated: no H200 measurement in docs/data runs it")
+    name, cname = kernel_name(D, pl["mb"], kind, arch), cal_name(D, pl["mb"], kind)
+    if "c " + cname not in prm:
+        raise KeyError(f"{cname} is not calibrated: no H200 measurement in docs/data runs it")
     # Executed instructions per warp: per tile and per CTA, static counts scaled by ncu (sm_90)
     d = dyn.get(name, {"tile": 1.0, "rest": 1.0})
     mix = {cl: n * d["tile"] for cl, n in k["tile_mix"].items()}
     per_tile, per_cta, hmma = k["tile"] * d["tile"], k["rest"] * d["rest"], mix["tensor"]
     # latency: cycles between two issues of one warp, c + alpha w (w warps per scheduler)
-    cyc = prm["c " + name] + prm["alpha"] * w
+    cyc = prm["c " + cname] + prm["alpha"] * w
     lat_insts = per_tile
     if arch == "sm_70" and hmma_latency == "lo":
         # one HMMA.16816 does the products of 8 HMMA.884: 7 in 8 off the latency path
@@ -313,17 +345,24 @@ def predict(
         combine_ms=t_comb * 1e3,
         limiter=limiter,
         **{f"{b}_ms": v * 1e3 for b, v in bounds.items()},
-        plan=dict(pl, ctas_per_sm=occ),
+        plan=dict(pl, ctas_per_sm=occ, kind=kind),
         warps_per_scheduler=w,
         pct_900=100 * kv_bytes / total / 900e9,
     )
 
 
 # --- calibration ------------------------------------------------------------------------------
-def load_runs(names=("h200_cal_d256", "h200_cal_d128", "h200_v100grid_d256", "h200_v100grid_d128")):
-    """(cell, measured ms, recorded plan, grid) of the committed H200 runs."""
+RUNS = ("h200_cal_d256", "h200_cal_d128", "h200_v100grid_d256", "h200_v100grid_d128")
+RF_RUNS = ("h200_rf_d256", "h200_rf_v100grid_d256")  # the m16n8k16 twin (bench.py --kernel)
+
+
+def load_runs(names=RUNS + RF_RUNS):
+    """(cell, measured ms, recorded plan, grid) of the committed H200 runs (kind_of(plan): the
+    kernel each ran)."""
     out = []
     for n in names:
+        if n in RF_RUNS and not os.path.exists(os.path.join(DATA, n + ".json")):
+            continue
         run = json.load(open(os.path.join(DATA, n + ".json")))
         grid = "v100" if "v100grid" in n else "full"
         for r in run["cells"]:
@@ -428,7 +467,7 @@ def errors(prm, runs, sass, dyn):
     out = []
     for cell, ms, rec, grid in runs:
         kw = dict(num_sms=80, ctas_per_sm=rec["ctas_per_sm"]) if grid == "v100" else {}
-        p = predict(cell, "H200", sass, dyn, prm, **kw)
+        p = predict(cell, "H200", sass, dyn, prm, kind=kind_of(rec), **kw)
         out.append((p["ms"] / ms - 1, cell, ms, p, grid))
     return out
 
@@ -436,7 +475,7 @@ def errors(prm, runs, sass, dyn):
 def fit(runs, sass, dyn) -> dict:
     """Least squares on log(predicted / measured) over every H200 cell, by coordinate search
     with halving steps."""
-    names = sorted({kernel_name(c["D"], rec["mb"]) for c, _, rec, _ in runs})
+    names = sorted({cal_name(c["D"], rec["mb"], kind_of(rec)) for c, _, rec, _ in runs})
     prm = dict(alpha=0.5, c_rest=1.0, lat_us=1.0, gap_us=1.0)
     prm.update({"c " + n: 6.0 for n in names})
     steps = dict(alpha=0.25, c_rest=0.5, lat_us=0.5, gap_us=0.5)
@@ -503,7 +542,9 @@ def report(prm, runs, sass, dyn, markdown=False) -> str:
     """The calibration table (H200 measured against modelled, both grids) and the V100
     predictions of the same cells, one row per cell."""
     by = {}
-    for e, cell, ms, p, grid in errors(prm, runs, sass, dyn):
+    for e, cell, ms, p, grid in errors(
+        prm, [r for r in runs if kind_of(r[2]) == "wmma"], sass, dyn
+    ):
         by.setdefault(tuple(cell.values()), {})[grid] = (ms, p, e)
     rows = []
     head = [
@@ -554,6 +595,36 @@ def report(prm, runs, sass, dyn, markdown=False) -> str:
         "|---|---|---|---|",
         *seeds,
     ]
+    return "\n".join(lines)
+
+
+def rf_report(prm, runs, sass, dyn) -> str:
+    """The register-fragment kernel against the WMMA kernel, cell by cell where both ran: H200
+    measured (the m16n8k16 twin) and modelled, and both kinds' V100 predictions (m8n8k4)."""
+    rf = {(tuple(c.values()), g): (ms, rec) for c, ms, rec, g in runs if kind_of(rec) == "rf"}
+    wm = {(tuple(c.values()), g): ms for c, ms, rec, g in runs if kind_of(rec) == "wmma"}
+    head = "| cell | grid | H200 WMMA ms | H200 RF ms | RF / WMMA | RF model | err | V100 WMMA ms | V100 RF ms | RF / WMMA | V100 RF limiter |"
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for (key, g), (ms, rec) in rf.items():
+        cell = dict(zip(("B", "Q", "ctx", "H_kv", "G", "D", "page"), key, strict=True))
+        kw = dict(num_sms=80, ctas_per_sm=rec["ctas_per_sm"]) if g == "v100" else {}
+        p = predict(cell, "H200", sass, dyn, prm, kind="rf", **kw)
+        w = wm.get((key, g))
+        v = {}
+        for kind in ("wmma", "rf"):
+            lo = predict(cell, "V100", sass, dyn, prm, hmma_latency="lo", kind=kind)
+            hi = predict(cell, "V100", sass, dyn, prm, hmma_latency="hi", kind=kind)
+            v[kind] = (lo, hi)
+        ratio = (v["rf"][0]["ms"] / v["wmma"][0]["ms"], v["rf"][1]["ms"] / v["wmma"][1]["ms"])
+        lines.append(
+            f"| {cell_str(cell)} | {'80 SMs' if g == 'v100' else 'whole'} | "
+            + (f"{w:.4f}" if w else "-")
+            + f" | {ms:.4f} | "
+            + (f"{ms / w:.2f}" if w else "-")
+            + f" | {p['ms']:.4f} | {100 * (p['ms'] / ms - 1):+.0f}% | "
+            f"{v['wmma'][0]['ms']:.3f}-{v['wmma'][1]['ms']:.3f} | {v['rf'][0]['ms']:.3f}-{v['rf'][1]['ms']:.3f} | "
+            f"{min(ratio):.2f}-{max(ratio):.2f} | {v['rf'][1]['limiter']} |"
+        )
     return "\n".join(lines)
 
 
@@ -626,6 +697,9 @@ def main() -> int:
         return 1
     print()
     print(report(prm, runs, sass, dyn, a.markdown))
+    if any(kind_of(r[2]) == "rf" for r in runs):
+        print()
+        print(rf_report(prm, runs, sass, dyn))
     if a.json:
         cells = {tuple(c.values()): c for c, *_ in runs}.values()
         out = dict(
