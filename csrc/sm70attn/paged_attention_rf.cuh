@@ -33,7 +33,8 @@ struct RfOps;
 // 8 (g / 2).. of the row block over D half g % 2, the two halves added with one shuffle (lane
 // ^ 4 holds the other); in PV rows 8 (g / 2).. and the 4 column blocks of 8 from 32 (g % 2).
 // A lane's S and O elements lie in two rows of the block (slots 0, 1): the same two in S and
-// O, so alpha stays in registers. Both lanes of a quad-pair pair hold the same S.
+// O, so alpha stays in registers. Both lanes of a quad-pair pair hold the same S (each does the
+// softmax of one row).
 template <>
 struct RfOps<MmaM8N8K4> {
   static constexpr int SE = 8;            // S elements a lane holds
@@ -43,10 +44,24 @@ struct RfOps<MmaM8N8K4> {
   static __device__ __forceinline__ int row(int lane, int slot) {
     return 8 * (lane % 16 / 8) + (lane & 1) + 2 * slot + 4 * (lane / 16);
   }
-  static __device__ __forceinline__ int s_slot(int i) { return i >> 1 & 1; }
-  static __device__ __forceinline__ int s_col(int lane, int i) { return (i & 4) + (lane & 2) + (i & 1); }
-  static __device__ __forceinline__ bool s_writes(int lane, int i) { return s_slot(i) == (g(lane) & 1); }
-  static __device__ __forceinline__ bool owner(int lane, int slot) { return (g(lane) & 1) == slot && (lane & 2) == 0; }
+  // The softmax: the two lanes of a quad-pair pair (lane, lane ^ 4) hold the same S, so each
+  // takes one of the two rows (OS = 1 owned slot, g % 2) and its EPS = 4 elements, columns
+  // (lane & 2) + 0, 1, 4, 5; lane ^ 2 holds the row's other 4 tokens of the warp.
+  static constexpr int OS = 1, EPS = 4;
+  static __device__ __forceinline__ int own_slot(int lane, int) { return g(lane) & 1; }
+  static __device__ __forceinline__ void own(const float (&s)[8], float (&e)[1][4], int lane) {
+    const bool hi = g(lane) & 1;  // element i of S is in slot i / 2 % 2, column (i & 4) + (i & 1)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) e[0][j] = hi ? s[(j & 2) * 2 + (j & 1) + 2] : s[(j & 2) * 2 + (j & 1)];
+  }
+  static __device__ __forceinline__ int own_col(int lane, int j) { return (j & 2) * 2 + (lane & 2) + (j & 1); }
+  static __device__ __forceinline__ bool own_writer(int lane) { return (lane & 2) == 0; }
+  // O's two slots' alpha from the owned one: the pair lane ^ 4 owns the other.
+  static __device__ __forceinline__ void o_alpha(const float (&a)[1], float (&out)[2], int lane) {
+    const float other = __shfl_xor_sync(0xffffffffu, a[0], 4);
+    const bool hi = g(lane) & 1;
+    out[0] = hi ? other : a[0], out[1] = hi ? a[0] : other;
+  }
   static __device__ __forceinline__ int o_slot(int e) { return e >> 1 & 1; }
   static __device__ __forceinline__ int o_col(int lane, int e) {
     return 32 * (g(lane) & 1) + 8 * (e / 8) + (e & 4) + (lane & 2) + (e & 1);
@@ -107,10 +122,15 @@ struct RfOps<MmaM16N8K16> {
   static constexpr int OB = 8, OE = 4;
   static constexpr int XOR0 = 1, XOR1 = 2;
   static __device__ __forceinline__ int row(int lane, int slot) { return lane / 4 + 8 * slot; }
-  static __device__ __forceinline__ int s_slot(int i) { return i >> 1; }
-  static __device__ __forceinline__ int s_col(int lane, int i) { return 2 * (lane % 4) + (i & 1); }
-  static __device__ __forceinline__ bool s_writes(int, int) { return true; }
-  static __device__ __forceinline__ bool owner(int lane, int) { return lane % 4 == 0; }
+  // The softmax: a lane owns both its rows (slots), 2 elements each, columns 2 (lane % 4) + 0, 1.
+  static constexpr int OS = 2, EPS = 2;
+  static __device__ __forceinline__ int own_slot(int, int k) { return k; }
+  static __device__ __forceinline__ void own(const float (&s)[4], float (&e)[2][2], int) {
+    e[0][0] = s[0], e[0][1] = s[1], e[1][0] = s[2], e[1][1] = s[3];
+  }
+  static __device__ __forceinline__ int own_col(int lane, int j) { return 2 * (lane % 4) + j; }
+  static __device__ __forceinline__ bool own_writer(int lane) { return lane % 4 == 0; }
+  static __device__ __forceinline__ void o_alpha(const float (&a)[2], float (&out)[2], int) { out[0] = a[0], out[1] = a[1]; }
   static __device__ __forceinline__ int o_slot(int e) { return e >> 1 & 1; }
   static __device__ __forceinline__ int o_col(int lane, int e) { return 8 * (e / 4) + 2 * (lane % 4) + (e & 1); }
 
@@ -275,15 +295,17 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   auto vbase = [&] { return reinterpret_cast<const unsigned char*>(meta[3]) + KvStage<KT>::part0(tid_again()) * KT::VEC; };
   auto btab = [&] { return reinterpret_cast<const int*>(meta[4]); };
 
-  // The lane's two rows of the block (slots), their running max, and the sum of P over this
-  // warp's tokens.
-  int lrow[2];
-  float m_run[2], l_run[2];
+  // The rows of the block whose softmax this lane does (Ops::OS of its two), their running max,
+  // and the sum of P over this warp's tokens.
+  constexpr int OS = Ops::OS, EPS = Ops::EPS;
+  // (rows recomputed where used, from threadIdx read again: not held across the loop)
+  auto orow = [&](int k) {
+    const int t = tid_again(), l = t & 31;
+    return 16 * (t / 32 / TG) + Ops::row(l, Ops::own_slot(l, k));
+  };
+  float m_run[OS], l_run[OS];
 #pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    lrow[k] = 16 * rb + Ops::row(lane, k);
-    m_run[k] = neg_inf(), l_run[k] = 0.f;
-  }
+  for (int k = 0; k < OS; ++k) m_run[k] = neg_inf(), l_run[k] = 0.f;
 
   // One register stage: K(i) is stored, V(i) loaded into the same registers during QK^T and
   // stored over K, then K(i + 1) loaded during the softmax and PV.
@@ -300,19 +322,21 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     Ops::template qk<KT>(s, Qs + 2 * rb * KT::Q_GROUP, Ts + 8 * tg * KT::KLD, lane);
     // Mask (future tokens, invalid pages), scale to log2 units; the row maxima of this warp's
     // tokens go to red for the row block's other warps.
-    float mx[2] = {neg_inf(), neg_inf()};
-    const int lim[2] = {last_s[lrow[0]] - t0, last_s[lrow[1]] - t0};
+    float e[OS][EPS], mx[OS];
+    Ops::own(s, e, lane);
 #pragma unroll
-    for (int i = 0; i < SE; ++i) {
-      const int k = Ops::s_slot(i), j = 8 * tg + Ops::s_col(lane, i);
-      s[i] = j <= lim[k] && tok_ok[j] ? s[i] * sl2 : neg_inf();
-      mx[k] = fmaxf(mx[k], s[i]);
-    }
+    for (int k = 0; k < OS; ++k) {
+      const int lim = last_s[orow(k)] - t0;
+      mx[k] = neg_inf();
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
+      for (int j = 0; j < EPS; ++j) {
+        const int t = 8 * tg + Ops::own_col(lane, j);
+        e[k][j] = t <= lim && tok_ok[t] ? e[k][j] * sl2 : neg_inf();
+        mx[k] = fmaxf(mx[k], e[k][j]);
+      }
       mx[k] = fmaxf(mx[k], __shfl_xor_sync(FULL, mx[k], Ops::XOR0));
       if (Ops::XOR1) mx[k] = fmaxf(mx[k], __shfl_xor_sync(FULL, mx[k], Ops::XOR1));
-      if (Ops::owner(lane, k)) red[lrow[k] * TG + tg] = mx[k];
+      if (Ops::own_writer(lane)) red[orow(k) * TG + tg] = mx[k];
     }
     __syncthreads();  // every warp done with K; the maxima are in red
 
@@ -322,39 +346,37 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     // on m. A row that has seen no token (m_old = -inf: every padding row) gets p = 0 and
     // alpha = 0 on an O that is 0; skipping the rescale when no other row moved is bitwise
     // the same.
-    float alpha[2], m_use[2];
+    float alpha[OS];
     bool mv = false;
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const float4 r = *reinterpret_cast<const float4*>(red + lrow[k] * TG);
+    for (int k = 0; k < OS; ++k) {
+      const float4 r = *reinterpret_cast<const float4*>(red + orow(k) * TG);
       const float m_new = fmaxf(m_run[k], fmaxf(fmaxf(r.x, r.y), fmaxf(r.z, r.w)));
-      m_use[k] = m_new == neg_inf() ? 0.f : m_new;
-      alpha[k] = exp2f(m_run[k] - m_use[k]);
+      const float m_use = m_new == neg_inf() ? 0.f : m_new;
+      alpha[k] = exp2f(m_run[k] - m_use);
       mv |= alpha[k] != 1.f && m_run[k] != neg_inf();
       m_run[k] = m_new;
-    }
-    float sum[2] = {0.f, 0.f};
+      float sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < SE; ++i) {
-      s[i] = ex2_approx(s[i] - m_use[Ops::s_slot(i)]);
-      sum[Ops::s_slot(i)] += s[i];
-    }
+      for (int j = 0; j < EPS; ++j) {
+        e[k][j] = ex2_approx(e[k][j] - m_use);
+        sum += e[k][j];
+      }
 #pragma unroll
-    for (int i = 0; i < SE; i += 2)  // elements i, i + 1: adjacent tokens of one row
-      if (Ops::s_writes(lane, i))
-        *reinterpret_cast<unsigned*>(Ps + lrow[Ops::s_slot(i)] * KT::PLD + 8 * tg + Ops::s_col(lane, i)) =
-            pack_half2(s[i], s[i + 1]);
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      sum[k] += __shfl_xor_sync(FULL, sum[k], Ops::XOR0);
-      if (Ops::XOR1) sum[k] += __shfl_xor_sync(FULL, sum[k], Ops::XOR1);
-      l_run[k] = l_run[k] * alpha[k] + sum[k];
+      for (int j = 0; j < EPS; j += 2)  // elements j, j + 1: adjacent tokens
+        *reinterpret_cast<unsigned*>(Ps + orow(k) * KT::PLD + 8 * tg + Ops::own_col(lane, j)) =
+            pack_half2(e[k][j], e[k][j + 1]);
+      sum += __shfl_xor_sync(FULL, sum, Ops::XOR0);
+      if (Ops::XOR1) sum += __shfl_xor_sync(FULL, sum, Ops::XOR1);
+      l_run[k] = l_run[k] * alpha[k] + sum;
     }
+    float a2[2];  // alpha of O's two slots
+    Ops::o_alpha(alpha, a2, lane);
     if (__any_sync(FULL, mv)) {
 #pragma unroll
       for (int j = 0; j < OB; ++j)
 #pragma unroll
-        for (int i = 0; i < OE; ++i) o[j][i] *= alpha[Ops::o_slot(OE * j + i)];
+        for (int i = 0; i < OE; ++i) o[j][i] *= a2[Ops::o_slot(OE * j + i)];
     }
     st.template load_one<false>(p, kbase(), btab(), t0 + N, t_end, tid_again());  // zeros past t_end
     __syncthreads();  // V and P stored
@@ -368,10 +390,10 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   const i64 e_row0 = meta[0];
   const int e_split = (int)meta[1], e_nrows = (int)(meta[1] >> 32);
 #pragma unroll
-  for (int k = 0; k < 2; ++k)
-    if (Ops::owner(lane, k)) {
-      red[lrow[k] * TG + tg] = l_run[k];
-      if (tg == 0) row_m[lrow[k]] = m_run[k];
+  for (int k = 0; k < OS; ++k)
+    if (Ops::own_writer(lane)) {
+      red[orow(k) * TG + tg] = l_run[k];
+      if (tg == 0) row_m[orow(k)] = m_run[k];
     }
   __syncthreads();
   for (int i = tid; i < ROWS; i += KT::THREADS) {
@@ -389,7 +411,8 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
       for (int j = 0; j < OB; ++j)
 #pragma unroll
         for (int i = 0; i < OE; ++i)
-          Es[lrow[Ops::o_slot(OE * j + i)] * KT::ELD + KT::DW * (tg % 2) + Ops::o_col(lane, OE * j + i)] = o[j][i];
+          Es[(16 * rb + Ops::row(lane, Ops::o_slot(OE * j + i))) * KT::ELD + KT::DW * (tg % 2) +
+             Ops::o_col(lane, OE * j + i)] = o[j][i];
     }
     __syncthreads();
     constexpr int HD = D / 2;
