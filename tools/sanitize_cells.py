@@ -78,10 +78,21 @@ def main():
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", type=int, default=0, help="random valid calls to add")
+    ap.add_argument(
+        "--only", default=None, help="the cells whose label has this (and only their kernels)"
+    )
     args = ap.parse_args()
     lib = sa.ops.load_cuda_kernels()
     sm80 = torch.cuda.get_device_capability()[0] >= 8
     todo, want_attn, want_comb = cells(("rf-m8n8k4", "rf-m16n8k16") if sm80 else ("rf-m8n8k4",))
+    if args.only:
+        todo = [t for t in todo if args.only in t[1]]
+        want_attn = {
+            k
+            for k in want_attn
+            if any(f"attn {k[0]} D{k[1]} MB{k[2]} VEC{k[3]} " in t[1] for t in todo)
+        }
+        want_comb = set()
     seen_attn, seen_comb, bad = set(), set(), 0
     for kind, label, kw, vec, several in todo:
         lib.set_kernel_override(kind)

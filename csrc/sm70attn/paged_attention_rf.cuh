@@ -322,16 +322,21 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     Ops::template qk<KT>(s, Qs + 2 * rb * KT::Q_GROUP, Ts + 8 * tg * KT::KLD, lane);
     // Mask (future tokens, invalid pages), scale to log2 units; the row maxima of this warp's
     // tokens go to red for the row block's other warps.
+    // Token t of the tile is visible to a row if bit t of its mask is: the tile's valid pages
+    // (one flag a lane: N = 32) below the row's causal limit.
+    static_assert(N == 32, "one token a lane");
+    const unsigned ok_bits = __ballot_sync(FULL, tok_ok[lane]);
     float e[OS][EPS], mx[OS];
     Ops::own(s, e, lane);
 #pragma unroll
     for (int k = 0; k < OS; ++k) {
-      const int lim = last_s[orow(k)] - t0;
+      const int lim = last_s[orow(k)] - t0;  // the row's last visible token of the tile
+      const unsigned vis = (ok_bits & (lim >= N - 1 ? ~0u : lim < 0 ? 0u : (2u << lim) - 1u)) >>
+                           (8 * tg + Ops::own_col(lane, 0));
       mx[k] = neg_inf();
 #pragma unroll
-      for (int j = 0; j < EPS; ++j) {
-        const int t = 8 * tg + Ops::own_col(lane, j);
-        e[k][j] = t <= lim && tok_ok[t] ? e[k][j] * sl2 : neg_inf();
+      for (int j = 0; j < EPS; ++j) {  // (own_col(lane, j) - own_col(lane, 0) is a constant)
+        e[k][j] = vis >> (Ops::own_col(lane, j) - Ops::own_col(lane, 0)) & 1u ? e[k][j] * sl2 : neg_inf();
         mx[k] = fmaxf(mx[k], e[k][j]);
       }
       mx[k] = fmaxf(mx[k], __shfl_xor_sync(FULL, mx[k], Ops::XOR0));

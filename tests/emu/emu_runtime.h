@@ -151,6 +151,15 @@ inline float __shfl_xor_sync(unsigned, float x, int o) {
   __syncwarp();
   return y;
 }
+inline unsigned __ballot_sync(unsigned, int pred) {
+  const int t = emu::cur, base = t & ~31;
+  emu::shfl[t] = pred ? 1.f : 0.f;
+  __syncwarp();
+  unsigned m = 0;
+  for (int l = base; l < std::min<int>(base + 32, (int)emu::block_dim.x); ++l) m |= (emu::shfl[l] != 0.f ? 1u : 0u) << (l - base);
+  __syncwarp();
+  return m;
+}
 inline int __any_sync(unsigned, int pred) {
   const int t = emu::cur, base = t & ~31;
   emu::shfl[t] = pred ? 1.f : 0.f;
