@@ -98,11 +98,11 @@ int scale_stride(const at::Tensor& s, i64 h_kv, const at::Tensor& ref, const cha
 
 // The attention kernel kind of a call (sm70attn::attn_default_kind), or the one
 // set_kernel_override forces where it applies (tests and A/B runs).
-int kernel_kind(int device, int d, int mb) {
-  const int forced = g_kernel.load();
-  if (forced < 0 || !sm70attn::attn_uses_rf(d, mb)) return sm70attn::attn_default_kind(d, mb);
+int kernel_kind(int device, int d, int mb, i64 capacity) {
   int major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  const int forced = g_kernel.load();
+  if (forced < 0 || !sm70attn::attn_uses_rf(d, mb)) return sm70attn::attn_default_kind(d, mb, major, capacity);
   TORCH_CHECK_VALUE(forced != sm70attn::ATTN_RF_M16N8K16 || major >= 8,
                     "set_kernel_override: the m16n8k16 kernel needs SM80 or newer");
   return forced;
@@ -137,7 +137,7 @@ CallPlan plan_call(int device, i64 B, i64 H_q, i64 H_kv, i64 Q, i64 D, i64 capac
   // Splits follow the kernel's occupancy on this device (a property of (D, mb, vec) and the GPU
   // only: the plan stays independent of B and of seq_lens values).
   const int mb = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D, capacity, c.num_sms).mb;
-  c.kind = kernel_kind(device, (int)D, mb);
+  c.kind = kernel_kind(device, (int)D, mb, capacity);
   c.ctas_per_sm = ctas_per_sm(device, c.kind, (int)D, mb, vec);
   if (const int sm_smem = g_plan_sm_smem.load(); sm_smem > 0) {
     // As many CTAs as sm_smem holds, and a padded launch so that this device holds no more.
@@ -411,7 +411,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           g_kernel.store(k);
         },
         "tests and A/B runs only: the attention kernel of the calls that would take the register-fragment one "
-        "(D = 256 with 17-48 rows per CTA): 'wmma', 'rf-m8n8k4', 'rf-m16n8k16' (SM80+) or 'auto' (the default: wmma); "
+        "(D = 256 with 17-48 rows per CTA): 'wmma', 'rf-m8n8k4', 'rf-m16n8k16' (SM80+) or 'auto' (the default: "
+        "rf-m8n8k4 for 33-48 rows from 64K tokens on SM70, else wmma); "
         "set it while no other thread launches", pybind11::arg("kind"));
   m.def("plan", [](int64_t B, int64_t H_q, int64_t H_kv, int64_t Q, int64_t D, int64_t capacity, int vec, int device) {
           TORCH_CHECK_VALUE(B >= 1 && H_kv >= 1 && H_q >= H_kv && H_q % H_kv == 0 && H_q / H_kv <= 8 && Q >= 1 &&

@@ -93,18 +93,16 @@ def warps(d: int, mb: int) -> int:
     return mb * max(for_cta, d // 64)
 
 
-# The register-fragment kernel (paged_attention_rf.cuh) where it applies; which GPUs take it
-# by default (traits.h: attn_default_kind). Its tiles are 32 tokens and its CTAs 4 warps per
+# The register-fragment kernel (paged_attention_rf.cuh) where it applies, and where calls take
+# it by default (traits.h: attn_default_kind). Its tiles are 32 tokens and its CTAs 4 warps per
 # row block; the plan (plan.h) is the same for both kinds.
 def uses_rf(d: int, mb: int) -> bool:
     return d == 256 and mb in (2, 3)
 
 
-RF_DEFAULT = {"sm_70": False, "sm_90": False}
-
-
-def default_kind(arch: str, d: int, mb: int) -> str:
-    return "rf" if RF_DEFAULT[arch] and uses_rf(d, mb) else "wmma"
+def default_kind(arch: str, d: int, mb: int, capacity: int) -> str:
+    """traits.h's attn_default_kind: the m8n8k4 kernel for D 256 MB3 from 64K tokens on SM70."""
+    return "rf" if arch == "sm_70" and d == 256 and mb == 3 and capacity >= 65536 else "wmma"
 
 
 def kind_of(rec: dict) -> str:
@@ -296,7 +294,7 @@ def predict(
     cap = cdiv(ctx, page) * page
     sms = num_sms or gpu["sms"]
     mb0 = plan(B, G * H_kv, H_kv, Q, D, cap, sms)["mb"]
-    kind = kind if kind and uses_rf(D, mb0) else default_kind(arch, D, mb0)
+    kind = kind if kind and uses_rf(D, mb0) else default_kind(arch, D, mb0, cap)
     k = sass[arch][kernel_name(D, mb0, kind, arch)]
     occ = ctas_per_sm or occupancy(k["regs"], k["threads"], k["smem"], gpu)
     pl = plan(B, G * H_kv, H_kv, Q, D, cap, sms, occ)
@@ -600,9 +598,17 @@ def report(prm, runs, sass, dyn, markdown=False) -> str:
 
 def rf_report(prm, runs, sass, dyn) -> str:
     """The register-fragment kernel against the WMMA kernel, cell by cell where both ran: H200
-    measured (the m16n8k16 twin) and modelled, and both kinds' V100 predictions (m8n8k4)."""
+    measured (the m16n8k16 twin; the WMMA kernel from the same session's run where
+    docs/data/ab has it) and modelled, and both kinds' V100 predictions (m8n8k4)."""
     rf = {(tuple(c.values()), g): (ms, rec) for c, ms, rec, g in runs if kind_of(rec) == "rf"}
     wm = {(tuple(c.values()), g): ms for c, ms, rec, g in runs if kind_of(rec) == "wmma"}
+    # the WMMA kernel in the same session as the twin's runs, where committed (docs/data/ab)
+    for f, g in (("rf-ab-wmma", "full"), ("rf-ab-v100grid-wmma", "v100")):
+        path = os.path.join(DATA, "ab", f + ".json")
+        if os.path.exists(path):
+            for r in json.load(open(path))["cells"]:
+                if "op" in r.get("impls", {}):
+                    wm[(tuple(r["cell"].values()), g)] = r["impls"]["op"]["median_ms"]
     head = "| cell | grid | H200 WMMA ms | H200 RF ms | RF / WMMA | RF model | err | V100 WMMA ms | V100 RF ms | RF / WMMA | V100 RF limiter |"
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for (key, g), (ms, rec) in rf.items():

@@ -110,8 +110,8 @@ struct AttnTraits {
   static_assert(SMEM_BYTES <= 96 * 1024, "SM70 shared memory per block");
 };
 
-// D = 256 verify (2-3 row blocks) has a register-fragment kernel too (paged_attention_rf.cuh),
-// which calls take through set_kernel_override (tests, A/B runs).
+// D = 256 verify (2-3 row blocks) has a register-fragment kernel too (paged_attention_rf.cuh):
+// by default where attn_default_kind says, else through set_kernel_override (tests, A/B runs).
 __host__ __device__ constexpr bool attn_uses_rf(int d, int mb) { return d == 256 && (mb == 2 || mb == 3); }
 
 // Which attention kernel a call runs: the WMMA kernel (paged_attention.cuh), or the
@@ -119,9 +119,16 @@ __host__ __device__ constexpr bool attn_uses_rf(int d, int mb) { return d == 256
 // ptxas emulates it) or on m16n8k16 (SM80+).
 enum AttnKind : int { ATTN_WMMA = 0, ATTN_RF_M8N8K4 = 1, ATTN_RF_M16N8K16 = 2 };
 
-// The kind a call takes unless set_kernel_override says otherwise: the WMMA kernel (docs/perf.md,
-// "The register-fragment kernel", has the A/B runs and the V100 model's figures).
-__host__ __device__ constexpr int attn_default_kind(int, int) { return ATTN_WMMA; }
+// The kind a call takes unless set_kernel_override says otherwise, on a GPU of compute
+// capability `major` with a cache of `capacity` tokens per request (a shape: never B or the
+// lengths, so a request's bits do not depend on its batch): the register-fragment kernel for
+// D = 256 with 3 row blocks (G * Q = 33-48: the seeds' verify) on SM70 from 64K tokens, where
+// the V100 model predicts it 12-21% faster than the WMMA kernel (two CTAs per SM against one;
+// shorter contexts lose to the second wave's tail: docs/perf.md, "The register-fragment
+// kernel"). Elsewhere the WMMA kernel: on the H200 the m16n8k16 twin measured 3-56% slower.
+__host__ __device__ constexpr int attn_default_kind(int d, int mb, int major, long long capacity) {
+  return major == 7 && d == 256 && mb == 3 && capacity >= 65536 ? ATTN_RF_M8N8K4 : ATTN_WMMA;
+}
 
 // The register-fragment kernel's tile: ROWS = 16 MB query rows, 32-token tiles, 4 warps per
 // 16-row block. Warp w takes row block rb = w / 4 and, as tg = w % 4, tokens [8 tg, 8 tg + 8)

@@ -105,7 +105,7 @@ static bool g_q_misaligned = false;
 static int g_ctas_per_sm = 2;
 static int g_combine_as = 0;  // > 0: launch the combine kernel picked for this many splits
 static int g_kind = -1;       // >= 0: the kernel kind (AttnKind) where the register-fragment one applies
-                              // (-1: the launcher's default, attn_default_kind)
+                              // (-1: the SM70 launcher's default, attn_default_kind)
 std::vector<unsigned short> run(Problem& p, int num_sms, int* splits_out = nullptr, int force_splits = 0) {
   const i64 cap = (i64)p.max_pages * p.page_size;
   AttnPlan plan = plan_paged_attention(p.B, p.H_q, p.H_kv, p.Q, p.D, cap, num_sms, g_ctas_per_sm);
@@ -141,7 +141,7 @@ std::vector<unsigned short> run(Problem& p, int num_sms, int* splits_out = nullp
   set_divisors(a);
   const int vec = (p.k_off % 16 == 0 && p.v_off % 16 == 0 && p.s_page % 16 == 0 && p.s_tok % 16 == 0 && p.s_head % 16 == 0) ? 16 : 8;
   const dim3 grid(p.B * p.H_kv * plan.row_groups, plan.num_splits);
-  const int kind = g_kind >= 0 && attn_uses_rf(p.D, plan.mb) ? g_kind : attn_default_kind(p.D, plan.mb);
+  const int kind = g_kind >= 0 && attn_uses_rf(p.D, plan.mb) ? g_kind : attn_default_kind(p.D, plan.mb, 7, cap);
   bool found = kind == ATTN_WMMA ? attn_switch(p.D, plan.mb, vec, [&](auto kt) { launch_attn<decltype(kt)>(grid, a); })
                                  : attn_rf_switch(p.D, plan.mb, vec, [&](auto kt) {
                                      if (kind == ATTN_RF_M8N8K4) launch_attn_rf<decltype(kt), MmaM8N8K4>(grid, a);
