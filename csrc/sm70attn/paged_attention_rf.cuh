@@ -290,7 +290,6 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     meta[5] = __float_as_uint(__ldg(p.v_scale + kvh * p.v_scale_stride) * 256.f);
   }
   // The gather's bases, read back where they are used (this thread's first chunk added).
-  const int part0 = KvStage<KT>::part0(tid) * KT::VEC;
   auto kbase = [&] { return reinterpret_cast<const unsigned char*>(meta[2]) + KvStage<KT>::part0(tid_again()) * KT::VEC; };
   auto vbase = [&] { return reinterpret_cast<const unsigned char*>(meta[3]) + KvStage<KT>::part0(tid_again()) * KT::VEC; };
   auto btab = [&] { return reinterpret_cast<const int*>(meta[4]); };
