@@ -39,7 +39,7 @@ std::atomic<bool> g_validate{false};
 // tools/bench.py sets both to run a V100's grids (80 SMs, 96 KB) on a bigger GPU.
 std::atomic<int> g_plan_sms{0}, g_plan_sm_smem{0};
 // Test and A/B hook (set_kernel_override): the kernel kind (sm70attn::AttnKind) forced on the
-// calls that would take the register-fragment kernel; -1: the default.
+// calls where the register-fragment kernel applies (sm70attn::attn_uses_rf); -1: the default.
 std::atomic<int> g_kernel{-1};
 
 // Error messages are built with std::to_string, not iostreams: a toolchain whose libstdc++
@@ -99,12 +99,15 @@ int scale_stride(const at::Tensor& s, i64 h_kv, const at::Tensor& ref, const cha
 // The attention kernel kind of a call (sm70attn::attn_default_kind), or the one
 // set_kernel_override forces where it applies (tests and A/B runs).
 int kernel_kind(int device, int d, int mb, i64 capacity) {
-  int major = 0;
+  int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   const int forced = g_kernel.load();
-  if (forced < 0 || !sm70attn::attn_uses_rf(d, mb)) return sm70attn::attn_default_kind(d, mb, major, capacity);
+  if (forced < 0 || !sm70attn::attn_uses_rf(d, mb))
+    return sm70attn::attn_default_kind(d, mb, 10 * major + minor, capacity);
   TORCH_CHECK_VALUE(forced != sm70attn::ATTN_RF_M16N8K16 || major >= 8,
-                    "set_kernel_override: the m16n8k16 kernel needs SM80 or newer");
+                    msg("paged_attention: set_kernel_override('rf-m16n8k16') needs SM80 or newer, device ", device,
+                        " is SM", major, minor, "; set 'auto' or 'rf-m8n8k4'"));
   return forced;
 }
 
@@ -134,7 +137,7 @@ CallPlan plan_call(int device, i64 B, i64 H_q, i64 H_kv, i64 Q, i64 D, i64 capac
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&c.num_sms, cudaDevAttrMultiProcessorCount, device));
   // (set the override while no other thread launches: the two values are read separately)
   if (const int sms = g_plan_sms.load(); sms > 0) c.num_sms = sms;
-  // Splits follow the kernel's occupancy on this device (a property of (D, mb, vec) and the GPU
+  // Splits follow the kernel's occupancy on this device (a property of (D, mb, vec), the kind and the GPU
   // only: the plan stays independent of B and of seq_lens values).
   const int mb = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D, capacity, c.num_sms).mb;
   c.kind = kernel_kind(device, (int)D, mb, capacity);
@@ -408,11 +411,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           const int k = kind == "auto" ? -1 : kind == "wmma" ? 0 : kind == "rf-m8n8k4" ? 1 : kind == "rf-m16n8k16" ? 2 : -2;
           TORCH_CHECK_VALUE(k != -2, msg("set_kernel_override: kind must be auto, wmma, rf-m8n8k4 or rf-m16n8k16, got '",
                             kind, "'"));
+          if (k == sm70attn::ATTN_RF_M16N8K16) {  // (checked again at each call, on its device)
+            int device = 0, major = 0;
+            C10_CUDA_CHECK(cudaGetDevice(&device));
+            C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+            TORCH_CHECK_VALUE(major >= 8, msg("set_kernel_override: 'rf-m16n8k16' needs SM80 or newer, the current "
+                                              "device ", device, " is SM", major, "x"));
+          }
           g_kernel.store(k);
         },
-        "tests and A/B runs only: the attention kernel of the calls that would take the register-fragment one "
+        "tests and A/B runs only: the attention kernel of the calls where the register-fragment one applies "
         "(D = 256 with 17-48 rows per CTA): 'wmma', 'rf-m8n8k4', 'rf-m16n8k16' (SM80+) or 'auto' (the default: "
-        "rf-m8n8k4 for 33-48 rows from 64K tokens on SM70, else wmma); "
+        "rf-m8n8k4 for CTAs of 33-48 rows from 64K tokens on a V100, SM 7.0, else wmma); "
         "set it while no other thread launches", pybind11::arg("kind"));
   m.def("plan", [](int64_t B, int64_t H_q, int64_t H_kv, int64_t Q, int64_t D, int64_t capacity, int vec, int device) {
           TORCH_CHECK_VALUE(B >= 1 && H_kv >= 1 && H_q >= H_kv && H_q % H_kv == 0 && H_q / H_kv <= 8 && Q >= 1 &&

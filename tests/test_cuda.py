@@ -181,6 +181,38 @@ def test_each_kernel_kind_meets_the_oracle(record, kernel_override, kind):
     check_vs_oracle(record, f"{kind} 8-byte rows", p)
 
 
+def test_default_kernel_kind_by_gpu_and_capacity(kernel_override):
+    """auto: the register-fragment m8n8k4 kernel for D 256 in CTAs of 3 row blocks from a cache
+    of 64K tokens on a V100 (SM 7.0), the WMMA kernel otherwise (traits.h attn_default_kind),
+    as the V100 model assumes (tools/v100_model.py default_kind)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import v100_model as vm
+
+    kernel_override("auto")
+    mod = ops.load_cuda_kernels()
+    v100 = torch.cuda.get_device_capability() == (7, 0)
+    # (capacity, Q, G): 48 rows (MB3) at and below 64K, 96 rows (two row groups of MB3), 24 and
+    # 32 rows (MB2)
+    for cap, Q, G in (
+        (65536, 8, 6),
+        (65535, 8, 6),
+        (1 << 18, 16, 6),
+        (1 << 18, 4, 6),
+        (1 << 18, 8, 4),
+    ):
+        pl = mod.plan(1, G, 1, Q, 256, cap)
+        rf = v100 and pl["mb"] == 3 and cap >= 65536
+        assert pl["kernel"] == ("rf-m8n8k4" if rf else "wmma"), (cap, Q, G, pl)
+        arch = "sm_70" if v100 else "sm_90"
+        assert vm.default_kind(arch, 256, pl["mb"], cap) == ("rf" if rf else "wmma")
+    if torch.cuda.get_device_capability()[0] < 8:  # refused when set, not at the next call
+        with pytest.raises(ValueError, match="'rf-m16n8k16' needs SM80"):
+            kernel_override("rf-m16n8k16")
+
+
 def test_kernel_override_rejects_unknown_kinds(kernel_override):
     with pytest.raises(ValueError, match="auto, wmma, rf-m8n8k4 or rf-m16n8k16"):
         kernel_override("rf")

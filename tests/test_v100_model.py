@@ -190,3 +190,28 @@ def test_sanitizer_cells_reach_every_listed_kernel(sms, ctas_per_sm):
             comb.add((kw["D"], vm.combine_warps_per_row(pl["num_splits"])))
     assert split_ones >= want_attn and seen >= want_attn
     assert comb == want_comb
+
+
+def test_the_models_default_kind_is_the_launchers():
+    """tools/v100_model.py's default_kind and csrc/sm70attn/traits.h's attn_default_kind (the
+    expression it returns, evaluated here) agree on a grid of GPUs, shapes and capacities."""
+    import re
+
+    src = (Path(vm.ROOT) / "csrc" / "sm70attn" / "traits.h").read_text()
+    m = re.search(
+        r"attn_default_kind\(int d, int mb, int cc, long long capacity\) \{\s*return (.*?) \? ATTN_RF_M8N8K4 : ATTN_WMMA;",
+        src,
+        re.S,
+    )
+    assert m, "attn_default_kind changed shape: update this test and the model together"
+    expr = m.group(1).replace("&&", " and ").replace("||", " or ")
+    for arch, cc in (("sm_70", 70), ("sm_90", 90)):
+        for d in (64, 128, 256):
+            for mb in (1, 2, 3, 4):
+                for cap in (8192, 65535, 65536, 1 << 18):
+                    launcher = (
+                        "rf" if eval(expr, {}, dict(d=d, mb=mb, cc=cc, capacity=cap)) else "wmma"
+                    )
+                    assert vm.default_kind(arch, d, mb, cap) == launcher, (arch, d, mb, cap)
+    for cc in (72, 75, 80):  # other GPUs keep the WMMA kernel
+        assert not eval(expr, {}, dict(d=256, mb=3, cc=cc, capacity=1 << 18))

@@ -93,6 +93,14 @@ def kernel_list():
         out.append((f"combine D{d} WPR{wpr}", "combine.cuh", COMBINE.format(ct), ct))
     out.append(("store_kv", "store_kv.cuh", "", None))
     out.append(("mma atom m8n8k4", "mma_check.cuh", MMA_CHECK.format("sm70attn::MmaM8N8K4"), None))
+    out.append(
+        (
+            "mma atom m8n8k4 row.row",
+            "mma_check.cuh",
+            MMA_CHECK.format("sm70attn::MmaM8N8K4RowRow"),
+            None,
+        )
+    )
     # the binding builds this one for every arch: before SM80 it must compile (to a trap)
     out.append(
         ("mma atom m16n8k16", "mma_check.cuh", MMA_CHECK.format("sm70attn::MmaM16N8K16"), None)

@@ -8,7 +8,7 @@
 //   P = exp2(S - m) -> smem, alpha scales O in registers | O[16 x 64] += P V for columns 64 tg..
 // Four barriers per tile. Each warp keeps the sum of P over its own tokens; the row block's four
 // sums are added once, in warp order, in the epilogue. Shared memory is Q, one tile, P and the
-// row state (traits.h: AttnRfTraits): 46 KB, so two CTAs share a V100 SM (the WMMA kernel takes
+// row state (traits.h: AttnRfTraits): 47 KB, so two CTAs share a V100 SM (the WMMA kernel takes
 // 94 KB), in 80 registers a thread: across the tile loop a thread holds O (32), one register
 // stage of K or V and little else. The rows' limits, the gather's bases and the epilogue's
 // values wait in shared memory, indices from threadIdx are recomputed, the stage is zeroed

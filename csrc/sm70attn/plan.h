@@ -27,8 +27,9 @@ struct AttnPlan {
 // bytes), at most 512. A count above one wave (ctas_per_sm x num_sms over the CTAs a split
 // takes, rounded up) is rounded down to the wave: a partial last wave costs a full CTA time
 // while most SMs idle (as seen with two waves: verify at 128K on 132 SMs, 170 splits of 13
-// tiles took 26 tile times, 132 splits of 16 take 16). ctas_per_sm depends on (D, mb, VEC) and
-// the device only.
+// tiles took 26 tile times, 132 splits of 16 take 16). ctas_per_sm depends on (D, mb, VEC), the
+// kernel kind (which follows the cache capacity, a shape, and set_kernel_override) and the
+// device only.
 inline AttnPlan plan_paged_attention(int B, int H_q, int H_kv, int Q, int D, i64 capacity,
                                      int num_sms, int ctas_per_sm = 2) {
   AttnPlan pl;

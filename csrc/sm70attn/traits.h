@@ -120,14 +120,15 @@ __host__ __device__ constexpr bool attn_uses_rf(int d, int mb) { return d == 256
 enum AttnKind : int { ATTN_WMMA = 0, ATTN_RF_M8N8K4 = 1, ATTN_RF_M16N8K16 = 2 };
 
 // The kind a call takes unless set_kernel_override says otherwise, on a GPU of compute
-// capability `major` with a cache of `capacity` tokens per request (a shape: never B or the
-// lengths, so a request's bits do not depend on its batch): the register-fragment kernel for
-// D = 256 with 3 row blocks (G * Q = 33-48: the seeds' verify) on SM70 from 64K tokens, where
+// capability cc (10 major + minor) with a cache of `capacity` tokens per request (a shape: never
+// B or the lengths, so a request's bits do not depend on its batch): the register-fragment
+// kernel for D = 256 in CTAs of 3 row blocks (33-48 query rows a KV head, the seeds' verify, or
+// row groups of those) on SM 7.0 (V100: not 7.2/7.5, whose shared memory differs) from 64K tokens, where
 // the V100 model predicts it 12-21% faster than the WMMA kernel (two CTAs per SM against one;
 // shorter contexts lose to the second wave's tail: docs/perf.md, "The register-fragment
 // kernel"). Elsewhere the WMMA kernel: on the H200 the m16n8k16 twin measured 3-56% slower.
-__host__ __device__ constexpr int attn_default_kind(int d, int mb, int major, long long capacity) {
-  return major == 7 && d == 256 && mb == 3 && capacity >= 65536 ? ATTN_RF_M8N8K4 : ATTN_WMMA;
+__host__ __device__ constexpr int attn_default_kind(int d, int mb, int cc, long long capacity) {
+  return cc == 70 && d == 256 && mb == 3 && capacity >= 65536 ? ATTN_RF_M8N8K4 : ATTN_WMMA;
 }
 
 // The register-fragment kernel's tile: ROWS = 16 MB query rows, 32-token tiles, 4 warps per
@@ -159,7 +160,7 @@ struct AttnRfTraits {
   static constexpr int LAST_OFF = ML_OFF + 2 * ROWS * 4;   // [ROWS] last visible token per row
   static constexpr int META_OFF = LAST_OFF + ROWS * 4;     // 6 CTA values (8 bytes each)
   static constexpr int SMEM_BYTES = META_OFF + 48;
-  static constexpr int EPI_BYTES = ROWS * ELD * 4;  // fp32 O, half of D at a time (aliases Q, T)
+  static constexpr int EPI_BYTES = ROWS * ELD * 4;  // fp32 O, half of D at a time (aliases Q)
   // Two CTAs per SM70 SM: <= 80 registers a thread at 384 threads, which sm_70's m8n8k4 build
   // meets without spills (and sm_90a's m16n8k16 twin), because the tile loop keeps little
   // besides O in registers (paged_attention_rf.cuh). MB2 (256 threads) gets up to 128.

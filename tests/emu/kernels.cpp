@@ -141,7 +141,7 @@ std::vector<unsigned short> run(Problem& p, int num_sms, int* splits_out = nullp
   set_divisors(a);
   const int vec = (p.k_off % 16 == 0 && p.v_off % 16 == 0 && p.s_page % 16 == 0 && p.s_tok % 16 == 0 && p.s_head % 16 == 0) ? 16 : 8;
   const dim3 grid(p.B * p.H_kv * plan.row_groups, plan.num_splits);
-  const int kind = g_kind >= 0 && attn_uses_rf(p.D, plan.mb) ? g_kind : attn_default_kind(p.D, plan.mb, 7, cap);
+  const int kind = g_kind >= 0 && attn_uses_rf(p.D, plan.mb) ? g_kind : attn_default_kind(p.D, plan.mb, 70, cap);
   bool found = kind == ATTN_WMMA ? attn_switch(p.D, plan.mb, vec, [&](auto kt) { launch_attn<decltype(kt)>(grid, a); })
                                  : attn_rf_switch(p.D, plan.mb, vec, [&](auto kt) {
                                      if (kind == ATTN_RF_M8N8K4) launch_attn_rf<decltype(kt), MmaM8N8K4>(grid, a);
