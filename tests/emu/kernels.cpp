@@ -407,6 +407,32 @@ int main(int argc, char** argv) {
     }
     g_kind = -1;
   }
+  if (want("rffuzz")) {  // random D256 shapes that reach the register-fragment kernel, both atoms
+    std::mt19937 r(77);
+    const int n = argc > 2 ? atoi(argv[2]) : 20;
+    for (int it = 0; it < n; ++it) {
+      int G, Q;
+      int mb;
+      do {
+        G = 1 + r() % 8, Q = 1 + r() % 16;
+        const int need = (G * Q + 15) / 16, rg = (need + 3) / 4;  // plan.h: row blocks per CTA
+        mb = (need + rg - 1) / rg;
+      } while (!attn_uses_rf(256, mb));
+      const int H_kv = 1 + r() % 2, B = 1 + r() % 3;
+      const int page = std::vector<int>{1, 3, 16, 17, 64, 100}[r() % 6];
+      const int max_pages = 1 + r() % (400 / page + 1), P = 1 + r() % (B * max_pages + 2);
+      Problem p = make(B, G * H_kv, H_kv, Q, 256, page, P, max_pages, r() % 2, r() % 2);
+      for (auto& l : p.seq_lens) l = (int)(r() % (max_pages * page + 20)) - 10;
+      for (auto& x : p.block_table) if (r() % 20 == 0) x = (r() % 2) ? -1 : P + (int)(r() % 3);
+      g_q_misaligned = r() % 3 == 0;
+      g_kind = 1 + it % 2;
+      char name[64];
+      snprintf(name, sizeof name, "rffuzz %d mb%d %s%s", it, mb, g_kind == 1 ? "m8n8k4" : "m16n8k16",
+               g_q_misaligned ? " qmis" : "");
+      check(name, p, 1 + r() % 100, r() % 3 == 0 ? 0 : 1 + r() % 9);
+      g_q_misaligned = false, g_kind = -1;
+    }
+  }
   if (want("fuzz")) {
     std::mt19937 r(2024);
     const int n = argc > 2 ? atoi(argv[2]) : 30;
