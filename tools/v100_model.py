@@ -12,8 +12,13 @@ the plan for 80 SMs, as many CTAs per SM as 96 KB of shared memory holds); ncu's
 instructions of a few of those cells; and the SASS summary of every kernel (sm_70 as the SM70
 gate builds it, sm_90a as the H200's JIT build does).
 
+Besides, the register-fragment kernel's m16n8k16 twin (tools/bench.py --kernel rf-m16n8k16) on
+the D256 Q8 cells of both grids: a kernel kind of its own (32-token tiles, 4 warps a row block,
+its own c, shared with the m8n8k4 build the V100 runs), which a call takes where traits.h's
+attn_default_kind says (default_kind below).
+
 One call = the plan (a replica of plan.h, checked against every plan the H200 recorded), the
-CTAs of each split with their tiles, and for the kernel (D, MB) on the GPU's arch:
+CTAs of each split with their tiles, and for the kernel (D, MB, kind) on the GPU's arch:
 - instructions one warp executes per tile and per CTA: static SASS counts (tile loop, inner
   loops x trips; the rest of the kernel) times executed/static ratios that ncu measured on
   the H200 for the same kernel, applied to sm_70 too (same source, same branches);
