@@ -96,18 +96,34 @@ int scale_stride(const at::Tensor& s, i64 h_kv, const at::Tensor& ref, const cha
   return s.numel() == 1 ? 0 : (int)s.stride(0);
 }
 
+// Names of the kernel kinds, by sm70attn::AttnKind (set_kernel_override takes them, plan() reports them).
+constexpr const char* kKindNames[] = {"wmma", "rf-m8n8k4", "rf-m16n8k16"};
+
+// Compute capability of a device as 10 major + minor, cached: every call's plan reads it.
+int device_cc(int device) {
+  static std::atomic<int> cache[64];  // 0: not yet asked
+  std::atomic<int>* c = device >= 0 && device < 64 ? &cache[device] : nullptr;
+  int cc = c ? c->load(std::memory_order_relaxed) : 0;
+  if (cc == 0) {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    cc = 10 * major + minor;
+    if (c) c->store(cc, std::memory_order_relaxed);
+  }
+  return cc;
+}
+
 // The attention kernel kind of a call (sm70attn::attn_default_kind), or the one
-// set_kernel_override forces where it applies (tests and A/B runs).
+// set_kernel_override forces where it applies (tests and A/B runs). Shapes outside
+// attn_uses_rf have the WMMA kernel only.
 int kernel_kind(int device, int d, int mb, i64 capacity) {
-  int major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  const int forced = g_kernel.load();
-  if (forced < 0 || !sm70attn::attn_uses_rf(d, mb))
-    return sm70attn::attn_default_kind(d, mb, 10 * major + minor, capacity);
-  TORCH_CHECK_VALUE(forced != sm70attn::ATTN_RF_M16N8K16 || major >= 8,
+  if (!sm70attn::attn_uses_rf(d, mb)) return sm70attn::ATTN_WMMA;
+  const int cc = device_cc(device), forced = g_kernel.load();
+  if (forced < 0) return sm70attn::attn_default_kind(d, mb, cc, capacity);
+  TORCH_CHECK_VALUE(forced != sm70attn::ATTN_RF_M16N8K16 || cc >= 80,
                     msg("paged_attention: set_kernel_override('rf-m16n8k16') needs SM80 or newer, device ", device,
-                        " is SM", major, minor, "; set 'auto' or 'rf-m8n8k4'"));
+                        " is SM", cc, "; set 'auto' or 'rf-m8n8k4'"));
   return forced;
 }
 
@@ -408,15 +424,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sm_smem_bytes of shared memory per SM would (0: the device's own)", pybind11::arg("num_sms") = 0,
         pybind11::arg("sm_smem_bytes") = 0);
   m.def("set_kernel_override", [](const std::string& kind) {
-          const int k = kind == "auto" ? -1 : kind == "wmma" ? 0 : kind == "rf-m8n8k4" ? 1 : kind == "rf-m16n8k16" ? 2 : -2;
+          int k = kind == "auto" ? -1 : -2;
+          for (int i = 0; i < 3; ++i)
+            if (kind == kKindNames[i]) k = i;
           TORCH_CHECK_VALUE(k != -2, msg("set_kernel_override: kind must be auto, wmma, rf-m8n8k4 or rf-m16n8k16, got '",
                             kind, "'"));
           if (k == sm70attn::ATTN_RF_M16N8K16) {  // (checked again at each call, on its device)
-            int device = 0, major = 0;
+            int device = 0;
             C10_CUDA_CHECK(cudaGetDevice(&device));
-            C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-            TORCH_CHECK_VALUE(major >= 8, msg("set_kernel_override: 'rf-m16n8k16' needs SM80 or newer, the current "
-                                              "device ", device, " is SM", major, "x"));
+            const int cc = device_cc(device);
+            TORCH_CHECK_VALUE(cc >= 80, msg("set_kernel_override: 'rf-m16n8k16' needs SM80 or newer, the current "
+                                            "device ", device, " is SM", cc));
           }
           g_kernel.store(k);
         },
@@ -434,7 +452,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::dict d;
           d["mb"] = c.plan.mb, d["row_groups"] = c.plan.row_groups, d["num_splits"] = c.plan.num_splits;
           d["num_sms"] = c.num_sms, d["ctas_per_sm"] = c.ctas_per_sm;
-          d["kernel"] = c.kind == sm70attn::ATTN_WMMA ? "wmma" : c.kind == sm70attn::ATTN_RF_M8N8K4 ? "rf-m8n8k4" : "rf-m16n8k16";
+          d["kernel"] = kKindNames[c.kind];
           d["smem_bytes"] = c.smem_bytes > 0 ? c.smem_bytes : sm70attn::attn_smem_bytes(c.kind, (int)D, c.plan.mb, vec);
           return d;
         },
