@@ -63,8 +63,8 @@ struct RfOps<MmaM8N8K4> {
     out[0] = hi ? other : a[0], out[1] = hi ? a[0] : other;
   }
   static __device__ __forceinline__ int o_slot(int e) { return e >> 1 & 1; }
-  static __device__ __forceinline__ int o_col(int lane, int e) {
-    return 32 * (g(lane) & 1) + 8 * (e / 8) + (e & 4) + (lane & 2) + (e & 1);
+  static __device__ __forceinline__ int o_col(int lane, int e) {  // n = (e & 4) + (lane & 2) + (e & 1), j = e / 8
+    return 32 * (g(lane) & 1) + 4 * (e & 4) + 4 * (e / 8) + (lane & 2) + (e & 1);
   }
 
   // s = Q K^T for the row block's 16 rows (qa: its first Q row group) and 8 tokens (kt: their
@@ -95,22 +95,22 @@ struct RfOps<MmaM8N8K4> {
   }
 
   // o += P V for the row block's rows (pa: its first P row) and the warp's columns (vt: the
-  // first in T).
+  // first in T). Column n of accumulator j is V column 32 (g % 2) + 16 (n / 4) + 4 j + n % 4, so
+  // the 16 columns a lane's B fragments take in one k-step are adjacent: two 16-byte loads.
   template <class KT>
   static __device__ __forceinline__ void pv(float (&o)[OB][OE], const __half* pa, const __half* vt, int lane) {
     const int gg = g(lane), r = lane % 4 + 4 * (lane / 16);
     const __half* pp = pa + (8 * (gg >> 1) + r) * KT::PLD;
-    const __half* vp = vt + (lane % 4) * KT::KLD + 32 * (gg & 1) + 4 * (lane / 16);
+    const __half* vp = vt + (lane % 4) * KT::KLD + 32 * (gg & 1) + 16 * (lane / 16);
 #pragma unroll
     for (int k = 0; k < KT::N / 4; ++k) {
       const uint2 a = *reinterpret_cast<const uint2*>(pp + 4 * k);
       const unsigned af[2] = {a.x, a.y};
+      const uint4 b0 = *reinterpret_cast<const uint4*>(vp + 4 * k * KT::KLD);
+      const uint4 b1 = *reinterpret_cast<const uint4*>(vp + 4 * k * KT::KLD + 8);
+      const unsigned bf[4][2] = {{b0.x, b0.y}, {b0.z, b0.w}, {b1.x, b1.y}, {b1.z, b1.w}};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint2 b = *reinterpret_cast<const uint2*>(vp + 4 * k * KT::KLD + 8 * j);
-        const unsigned bf[2] = {b.x, b.y};
-        mma_atom(MmaM8N8K4RowRow{}, o[j], af, bf, o[j]);
-      }
+      for (int j = 0; j < 4; ++j) mma_atom(MmaM8N8K4RowRow{}, o[j], af, bf[j], o[j]);
     }
   }
 };
@@ -346,19 +346,23 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
 
     st.template store_one<true>(Ts, tok_ok, tid_again());  // V over K
 
-    // Online softmax, fp32. Every warp of the row block reads the same four maxima, so all agree
-    // on m. A row that has seen no token (m_old = -inf: every padding row) gets p = 0 and
-    // alpha = 0 on an O that is 0; skipping the rescale when no other row moved is bitwise
-    // the same.
+    // Online softmax, fp32, with a lazy rescale: a row's m moves only when the tile's maximum
+    // passes it by more than RESCALE_LOG2 (then P <= 2^RESCALE_LOG2, which fp16 holds), so O
+    // and l are rescaled on few tiles. Every warp of the row block reads the same four maxima
+    // and holds the same m, so all agree. A row that has seen no token (m = -inf: every padding
+    // row) gets p = 0 and alpha = 0 on an O that is 0; skipping the rescale when no other row
+    // moved is bitwise the same.
     float alpha[OS];
     bool mv = false;
 #pragma unroll
     for (int k = 0; k < OS; ++k) {
       const float4 r = *reinterpret_cast<const float4*>(red + orow(k) * TG);
-      const float m_new = fmaxf(m_run[k], fmaxf(fmaxf(r.x, r.y), fmaxf(r.z, r.w)));
+      const float t_max = fmaxf(fmaxf(r.x, r.y), fmaxf(r.z, r.w));
+      const bool up = t_max > m_run[k] + KT::RESCALE_LOG2;  // (m = -inf: any visible token)
+      const float m_new = up ? t_max : m_run[k];
       const float m_use = m_new == neg_inf() ? 0.f : m_new;
-      alpha[k] = exp2f(m_run[k] - m_use);
-      mv |= alpha[k] != 1.f && m_run[k] != neg_inf();
+      alpha[k] = up ? ex2_approx(m_run[k] - m_use) : 1.f;
+      mv |= up && m_run[k] != neg_inf();
       m_run[k] = m_new;
       float sum = 0.f;
 #pragma unroll

@@ -145,12 +145,17 @@ struct AttnRfTraits {
   static constexpr int CPT = D / VEC;
   static constexpr int TPK = pow2_floor(THREADS / N < CPT ? THREADS / N : CPT);
   static constexpr int LPT = CPT / TPK, ACTIVE = N * TPK;
-  // Leading dims (halves). A tile row (K or V) is D + 8: 16 bytes mod 128 for the gather's
-  // conflict-free 16-byte stores and 4 banks apart for the 8-byte fragment loads. Q is stored in
-  // groups of 8 rows, Q_GROUP apart (2 banks more than 8 rows): with m8n8k4 a half-warp then
-  // loads 16 distinct 8-byte bank pairs (4 rows x 2 row groups x 2 D halves, the second half
-  // starting 32 columns on: paged_attention_rf.cuh). P rows are N + 4 (18 banks apart).
+  // Leading dims (halves). A tile row (K or V) is D + 8: 16 bytes mod 128, so the gather's
+  // 16-byte stores are conflict-free, and so are m8n8k4's 16-byte fragment loads (the 8 lanes of
+  // a phase read 4 rows at 2 offsets 64 bytes apart: K's two D halves, V's two column blocks).
+  // Q is stored in groups of 8 rows, Q_GROUP apart (2 banks more than 8 rows): its fragments
+  // are 8-byte loads (16-byte ones would spill on sm_70), of which a half-warp reads 16 distinct
+  // bank pairs (4 rows x 2 row groups x 2 D halves, the second half starting 32 columns on:
+  // paged_attention_rf.cuh). P rows are N + 4 (18 banks apart).
   static constexpr int QLD = D + 8, Q_GROUP = 8 * QLD + 4, KLD = D + 8, PLD = N + 4, ELD = D / 2 + 4;
+  // The online softmax's lazy rescale: m moves when a tile's maximum passes it by more than
+  // this (log2 units).
+  static constexpr float RESCALE_LOG2 = 8.f;
   static constexpr int Q_OFF = 0;
   static constexpr int T_OFF = (2 * MB * Q_GROUP * 2 + 127) / 128 * 128;  // [N][KLD]: K, then V
   static constexpr int P_OFF = T_OFF + N * KLD * 2;                       // [ROWS][PLD] fp16
