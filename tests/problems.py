@@ -85,6 +85,28 @@ def make_problem(
     )
 
 
+
+def rising_scores(p, seed=0):
+    """Makes a problem's scores rise and fall along each request's context in steps, by a
+    fraction of a log2 unit and by tens of them (the online softmax's rescale, lazy in the
+    register-fragment kernel): every K element of token t is one level, a random walk of
+    factors 0.7-2 every 16 tokens or so, from 0.5 (E4M3); the query is positive."""
+    g = torch.Generator().manual_seed(seed)
+    kb, bt = p["key_cache"].view(torch.uint8), p["block_table"].cpu().long()
+    ps = kb.shape[1]
+    p["query"] = p["query"].abs() + 0.5
+    factors = torch.tensor([0.7, 1.1, 1.1, 1.25, 2.0])
+    for b, L in enumerate(p["seq_lens"].tolist()):
+        if L <= 0:
+            continue
+        step = torch.rand(L, generator=g) < 1 / 16
+        f = factors[torch.randint(0, len(factors), (L,), generator=g)]
+        level = (torch.cumsum(torch.where(step, f.log(), 0.0), 0).exp() * 0.5).clamp(0.25, 64)
+        t = torch.arange(L)
+        code = level.to(torch.float8_e4m3fn).view(torch.uint8).to(kb.device)
+        kb[bt[b, t // ps].to(kb.device), (t % ps).to(kb.device)] = code[:, None, None]
+    return p
+
 def op_args(p):
     """Positional arguments of torch.ops.sm70attn.paged_attention for a problem dict."""
     return (

@@ -22,6 +22,7 @@ EMU = ROOT / "tests" / "emu"
 CASES = [
     "rfkinds",
     "rffuzz",
+    "rfrescale",
     "determinism",
     "qmis",
     "big",

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from oracle import attention_fp64, rel_err
-from problems import make_problem, op_args
+from problems import make_problem, op_args, rising_scores
 
 import torch_sm70attn  # noqa: F401
 
@@ -108,3 +108,13 @@ def test_public_wrapper_defaults_and_float_scales():
     )
     ref = attention_fp64(*op_args(p))
     assert rel_err(out, ref) < TOL
+
+
+def test_rising_and_falling_scores(record):
+    # Scores that move by fractions of a log2 unit and by tens along the context (the online
+    # softmax's rescale), through several of the reference kernel's chunks.
+    p = rising_scores(make_problem(B=2, H_kv=1, G=6, Q=8, D=256, page_size=16, lens=[3000, 700]))
+    out = torch.ops.sm70attn.paged_attention(*op_args(p))
+    err = rel_err(out, attention_fp64(*op_args(p)))
+    record("reference", err, "rising scores")
+    assert err < TOL, f"relative error {err:.2e}"

@@ -407,6 +407,33 @@ int main(int argc, char** argv) {
     }
     g_kind = -1;
   }
+  if (want("rfrescale")) {  // rising scores: a row's max passes m by less and by more than the
+    // lazy rescale's threshold (AttnRfTraits::RESCALE_LOG2) within a split, and falls back
+    std::mt19937 r(5);
+    const char* kinds[] = {"wmma", "rf-m8n8k4", "rf-m16n8k16"};
+    for (int kind = 0; kind < 3; ++kind)
+      for (int Q : {8, 4})
+        for (int sp : {1, 3}) {
+          g_kind = kind;
+          Problem p = make(2, 6, 1, Q, 256, 16, 80, 40, 0, false);
+          p.seq_lens = {600, 250};
+          for (auto& x : p.q) x = __half_as_ushort(__float2half_rn(1.0f + frand() * 0.5f));  // positive
+          // K of token t: one positive code for all of D, a random walk; at a score of 16 x its
+          // value, a step of 1 code moves it by 0.4-23 log2 units, 8 codes (x2) by 3-180.
+          for (int b = 0; b < p.B; ++b) {
+            int code = 0x20;
+            for (int t = 0; t < p.max_pages * p.page_size; ++t) {
+              if (r() % 16 == 0) code = std::min(std::max(code + std::vector<int>{-3, 1, 1, 2, 8}[r() % 5], 0x18), 0x50);
+              const int page = p.block_table[(size_t)b * p.max_pages + t / p.page_size];
+              if (page >= 0 && page < p.P) memset(&p.kv[p.k_off + page * p.s_page + (t % p.page_size) * p.s_tok], code, p.D);
+            }
+          }
+          char name[64];
+          snprintf(name, sizeof name, "rfrescale %s Q%d s%d", kinds[kind], Q, sp);
+          check(name, p, 4, sp);
+        }
+    g_kind = -1;
+  }
   if (want("rffuzz")) {  // random D256 shapes that reach the register-fragment kernel, both atoms
     std::mt19937 r(77);
     const int n = argc > 2 ? atoi(argv[2]) : 20;
