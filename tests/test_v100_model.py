@@ -128,19 +128,19 @@ def fitted():
 def test_calibration_reproduces_the_published_errors(fitted):
     """The fit on every H200 cell (both grids) misses none by more than 25%, nor does a fit on
     the whole-GPU grid alone on the held-out V100-shaped grid: the conditions under which
-    docs/perf.md quotes V100 figures; its published medians and worst cases (2.4% / 18.7%,
-    held out 3.0% / 18.7%) to their rounding; and the V100 range is ordered. The headline cell
+    docs/perf.md quotes V100 figures; its published medians and worst cases (2.4% / 19.4%,
+    held out 3.0% / 19.2%) to their rounding; and the V100 range is ordered. The headline cell
     takes the register-fragment kernel on a V100 (two CTAs per SM), the WMMA kernel on the
     H200; 32 of the cells are the register-fragment kernel's m16n8k16 twin."""
     prm, dyn = fitted
     assert sum(vm.kind_of(r[2]) == "rf" for r in RUNS) == 32
     errs = sorted(abs(e) for e, *_ in vm.errors(prm, RUNS, SASS, dyn))
     assert max(errs) <= 0.25
-    assert round(100 * errs[len(errs) // 2], 1) == 2.4 and round(100 * errs[-1], 1) == 18.7
+    assert round(100 * errs[len(errs) // 2], 1) == 2.4 and round(100 * errs[-1], 1) == 19.4
     full, v100 = [r for r in RUNS if r[3] == "full"], [r for r in RUNS if r[3] == "v100"]
     held = sorted(abs(e) for e, *_ in vm.errors(vm.fit(full, SASS, dyn), v100, SASS, dyn))
     assert max(held) <= 0.25
-    assert round(100 * held[len(held) // 2], 1) == 3.0 and round(100 * held[-1], 1) == 18.7
+    assert round(100 * held[len(held) // 2], 1) == 3.0 and round(100 * held[-1], 1) == 19.2
     cell = dict(B=8, Q=8, ctx=131072, H_kv=1, G=6, D=256, page=1648)
     lo = vm.predict(cell, "V100", SASS, dyn, prm, hmma_latency="lo")
     hi = vm.predict(cell, "V100", SASS, dyn, prm, hmma_latency="hi")
