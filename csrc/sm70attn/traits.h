@@ -124,9 +124,9 @@ enum AttnKind : int { ATTN_WMMA = 0, ATTN_RF_M8N8K4 = 1, ATTN_RF_M16N8K16 = 2 };
 // B or the lengths, so a request's bits do not depend on its batch): the register-fragment
 // kernel for D = 256 in CTAs of 3 row blocks (33-48 query rows a KV head, the seeds' verify, or
 // row groups of those) on SM 7.0 (V100: not 7.2/7.5, whose shared memory differs) from 64K tokens, where
-// the V100 model predicts it 12-21% faster than the WMMA kernel (two CTAs per SM against one;
-// shorter contexts lose to the second wave's tail: docs/perf.md, "The register-fragment
-// kernel"). Elsewhere the WMMA kernel: on the H200 the m16n8k16 twin measured 3-56% slower.
+// the V100 model predicts it faster than the WMMA kernel (two CTAs per SM against one; shorter
+// contexts lose to the second wave's tail). Elsewhere the WMMA kernel: on the H200 the m16n8k16
+// twin measured slower in every cell. Figures: docs/perf.md, "The register-fragment kernel".
 __host__ __device__ constexpr int attn_default_kind(int d, int mb, int cc, long long capacity) {
   return cc == 70 && d == 256 && mb == 3 && capacity >= 65536 ? ATTN_RF_M8N8K4 : ATTN_WMMA;
 }
