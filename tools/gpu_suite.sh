@@ -37,7 +37,7 @@ step tests python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.x
   tests/test_cuda.py tests/test_compile_cuda.py tests/test_transformers_cuda.py tests/test_readme.py \
   tests/test_adversarial.py tests/test_jit.py
 step sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sanitizer_smoke
-# Every kernel the launcher can pick (tools/sanitize_cells.py: 89 small cells) under each tool.
+# Every kernel the launcher can pick (tools/sanitize_cells.py: 105 small cells) under each tool.
 for tool in memcheck racecheck synccheck initcheck; do
   extra=(); [ "$tool" = memcheck ] && extra=(--sweep 40)  # and 40 random calls under memcheck
   step "all-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 tools/sanitize_cells.py "${extra[@]}"

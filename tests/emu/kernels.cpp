@@ -420,10 +420,11 @@ int main(int argc, char** argv) {
           for (auto& x : p.q) x = __half_as_ushort(__float2half_rn(1.0f + frand() * 0.5f));  // positive
           // K of token t: one positive code for all of D, a random walk; at a score of 16 x its
           // value, a step of 1 code moves it by 0.4-23 log2 units, 8 codes (x2) by 3-180.
+          static const int steps[] = {-3, 1, 1, 2, 8};
           for (int b = 0; b < p.B; ++b) {
             int code = 0x20;
             for (int t = 0; t < p.max_pages * p.page_size; ++t) {
-              if (r() % 16 == 0) code = std::min(std::max(code + std::vector<int>{-3, 1, 1, 2, 8}[r() % 5], 0x18), 0x50);
+              if (r() % 16 == 0) code = std::min(std::max(code + steps[r() % 5], 0x18), 0x50);
               const int page = p.block_table[(size_t)b * p.max_pages + t / p.page_size];
               if (page >= 0 && page < p.P) memset(&p.kv[p.k_off + page * p.s_page + (t % p.page_size) * p.s_tok], code, p.D);
             }
