@@ -1,4 +1,4 @@
-"""A check of csrc/binding.cu's source that needs no GPU: every TORCH_CHECK message is one string
+"""A check of csrc/binding.cpp's source that needs no GPU: every TORCH_CHECK message is one string
 literal or one msg(...) call. TORCH_CHECK's own formatting (c10::str, iostreams) of an integer
 segfaulted on the GPU machine, whose toolchain's libstdc++ differs from torch's: the mma hook's
 shape message turned a ValueError into a crash of the test process there."""
@@ -6,7 +6,7 @@ shape message turned a ValueError into a crash of the test process there."""
 import re
 from pathlib import Path
 
-TEXT = (Path(__file__).resolve().parents[1] / "csrc" / "binding.cu").read_text()
+TEXT = (Path(__file__).resolve().parents[1] / "csrc" / "binding.cpp").read_text()
 TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|//[^\n]*|/\*.*?\*/', re.S)
 # Comments blanked (their newlines kept, so line numbers hold); string and char literals kept.
 SRC = TOKEN.sub(lambda m: m[0] if m[0][0] in "\"'" else re.sub(r"[^\n]", " ", m[0]), TEXT)

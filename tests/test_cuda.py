@@ -16,7 +16,7 @@ from oracle import attention_fp64, encode_e4m3, rel_err
 from problems import make_problem, op_args, rising_scores
 
 import torch_sm70attn as sa
-from torch_sm70attn import ops, reference
+from torch_sm70attn import ops, reference, routes
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -516,15 +516,56 @@ def test_cuda_errors_name_the_argument():
         op(dict(p, query=p["query"].float()))
     with pytest.raises(ValueError, match="seq_lens"):
         op(dict(p, seq_lens=p["seq_lens"][:1]))
-    with pytest.raises(ValueError, match="head dim"):
-        q = torch.zeros(2, 4, 1, 96, dtype=torch.float16, device=DEV)
-        c = torch.zeros(4, 16, 2, 96, dtype=torch.float8_e4m3fn, device=DEV)
-        op(dict(p, query=q, key_cache=c, value_cache=c))
-    # 2097151 pages of 1024 tokens: capacity INT_MAX - 1023, one over the limit
-    with pytest.raises(ValueError, match="capacity"):
-        bt = torch.zeros(2, 2097151, dtype=torch.int32, device=DEV)
-        c = torch.zeros(4, 1024, 2, 64, dtype=torch.float8_e4m3fn, device=DEV)
-        op(dict(p, key_cache=c, value_cache=c, block_table=bt))
+
+
+# (label, problem kwargs, cache misaligned): one admitted call and one of each refusal
+ROUTE_CASES = [
+    ("admitted", dict(D=128, G=4, Q=2), False),
+    ("head dim 96", dict(D=96, G=4, Q=1), False),
+    ("group size 12", dict(D=64, G=12, Q=1), False),
+    ("query rows 17", dict(D=64, G=2, Q=17), False),
+    ("capacity", dict(D=64, G=2, Q=1, page_size=4096, lens=[100, 37], extra_pages=64), False),
+    ("8-byte alignment", dict(D=64, G=2, Q=1), True),
+]
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=[c[0] for c in ROUTE_CASES])
+def test_raw_op_and_public_function_take_the_route_admit_says(case, monkeypatch, record):
+    """One rule for every call: the binding decides by the manifest it was handed at load, for
+    the raw op (a compiled graph's) and the public function alike; a call it refuses runs the
+    reference, once per reason with a warning, and admit() names the same route."""
+    label, kw, misaligned = case
+    p = make_problem(B=2, H_kv=1, device=DEV, **kw)
+    if misaligned:  # the same values one byte into a wider row
+        for name in ("key_cache", "value_cache"):
+            c = p[name]
+            wide = torch.zeros(*c.shape[:-1], c.shape[-1] + 8, dtype=c.dtype, device=DEV)
+            wide[..., 1 : c.shape[-1] + 1] = c
+            p[name] = wide[..., 1 : c.shape[-1] + 1]
+    want = sa.admit(p["query"], p["key_cache"], p["block_table"])
+    assert (want.route == sa.CUDA) == (label == "admitted"), want
+    ops.load_cuda_kernels()
+    calls = []
+    real = ops._paged_attention_ref
+    monkeypatch.setattr(ops, "_paged_attention_ref", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(routes, "_warned", set())
+    args = op_args(p)
+    for call in (
+        lambda: torch.ops.sm70attn.paged_attention(*args),
+        lambda: sa.paged_attention(*args[:5], scale=args[5], k_scale=args[6], v_scale=args[7]),
+    ):
+        calls.clear()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = call()
+        assert len(calls) == (want.route == sa.REFERENCE), (label, want)
+        warned = [str(x.message) for x in w if "reference route" in str(x.message)]
+        assert len(warned) <= 1 and (not warned or want.reason in warned[0]), warned
+        ref64 = attention_fp64(*args)
+        bound = 2 * rel_err(real(*args), ref64) + 1e-5
+        assert rel_err(out, ref64) <= bound, label
+        record("cuda routes", rel_err(out, ref64), label)
+    assert routes._warned == ({want.reason} if want.route == sa.REFERENCE else set())
 
 
 def test_public_wrapper_falls_back_with_one_warning(record):

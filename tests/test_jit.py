@@ -1,5 +1,6 @@
 """The JIT build's handling of its directory (issue 13, item 4), on the CPU: torch's builder is
-replaced by a stand-in that records what it was handed, so these run without CUDA. What they
+replaced by a stand-in that records what it was handed (and the toolkit by one that names a
+header folder), so these run without CUDA. What they
 pin down: two installs of the same sources share one build (same paths and flags for torch's
 builder, which otherwise rebuilds for each in turn), and an unwritable or missing home, a
 lock left by a killed build and a truncated library each end in an error that says what to
@@ -15,7 +16,7 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from torch_sm70attn import _jit
+from torch_sm70attn import _jit, nvrtc
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
@@ -28,10 +29,15 @@ class FakeModule:
         return self._digest
 
 
+TOOLKIT = nvrtc.Toolkit(version=(12, 8), includes=("/cuda/include",))
+
+
 @pytest.fixture
 def builder(monkeypatch, tmp_path):
     """TORCH_SM70ATTN_BUILD_DIR in tmp_path and a recording stand-in for torch's builder."""
     monkeypatch.setenv("TORCH_SM70ATTN_BUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.8")
+    monkeypatch.setattr(nvrtc, "toolkit", lambda: TOOLKIT)
     calls = []
 
     def load(**kw):
@@ -63,8 +69,9 @@ def test_two_installs_hand_the_builder_the_same_paths(builder, tmp_path, monkeyp
     assert first == second
     out = _jit.build_dir(digest)
     assert first["build_directory"] == str(out)
-    assert first["extra_include_paths"] == [str(out / "src")]
-    assert first["sources"] == [str(out / "src" / "binding.cu")]
+    assert first["extra_include_paths"] == [str(out / "src"), *TOOLKIT.includes]
+    assert first["sources"] == [str(out / "src" / "binding.cpp")]
+    assert first["with_cuda"] is False  # the host compiler alone: no nvcc, no CUDA_HOME
     assert _jit._same_tree(a, out / "src")
 
 
@@ -72,17 +79,17 @@ def test_staged_sources_are_reused_and_a_broken_copy_replaced(builder, tmp_path,
     install(tmp_path, "venv", monkeypatch)
     _jit.load.__wrapped__()
     src = _jit.build_dir(_jit.source_digest()) / "src"
-    stamp = (src / "binding.cu").stat().st_mtime_ns
+    stamp = (src / "binding.cpp").stat().st_mtime_ns
     _jit.load.__wrapped__()
-    assert (src / "binding.cu").stat().st_mtime_ns == stamp  # not copied again
+    assert (src / "binding.cpp").stat().st_mtime_ns == stamp  # not copied again
     (src / "sm70attn" / "plan.h").unlink()  # a copy cut short
-    (src / "binding.cu").write_text("// stale")
+    (src / "binding.cpp").write_text("// stale")
     _jit.load.__wrapped__()
     assert _jit._same_tree(_jit.csrc_dir(), src)
     assert not list(src.parent.glob("src.tmp-*"))
 
 
-def test_an_unwritable_build_dir_names_the_variable(monkeypatch, tmp_path):
+def test_an_unwritable_build_dir_names_the_variable(builder, monkeypatch, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     monkeypatch.setenv("TORCH_SM70ATTN_BUILD_DIR", str(blocker / "builds"))
@@ -118,8 +125,7 @@ def test_a_lock_left_by_a_killed_build_says_what_to_delete(builder, caplog):
     assert len(builder) == 1
 
 
-def test_a_library_that_does_not_load_says_what_to_delete(monkeypatch, tmp_path):
-    monkeypatch.setenv("TORCH_SM70ATTN_BUILD_DIR", str(tmp_path / "build"))
+def test_a_library_that_does_not_load_says_what_to_delete(builder, monkeypatch, tmp_path):
 
     def load(**kw):
         raise ImportError("sm70attn_x.so: file too short")
@@ -201,7 +207,10 @@ def test_a_second_install_loads_the_first_ones_build(tmp_path):
         "_jit.load()\n"
         "print('loaded', _jit.build_dir(_jit.source_digest()))\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    # (wheels added to PYTHONPATH, e.g. the CUDA headers, stay reachable)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
     t0 = time.perf_counter()
     r = subprocess.run(
         [sys.executable, "-c", code],
@@ -214,7 +223,7 @@ def test_a_second_install_loads_the_first_ones_build(tmp_path):
     took = time.perf_counter() - t0
     assert r.returncode == 0, r.stderr
     assert f"loaded {out}" in r.stdout
-    assert "building the CUDA kernels" not in r.stderr, r.stderr
+    assert "building the C++ binding" not in r.stderr, r.stderr
     assert {p: p.stat().st_mtime_ns for p in libs} == before  # not relinked
     assert took < 60, took
 
@@ -264,7 +273,7 @@ def test_two_processes_build_one_digest_at_once(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a real build)")
 def test_a_build_killed_half_way_says_what_to_delete_then_rebuilds(tmp_path):
     """The real builder, on a GPU: a build killed half way (SIGKILL to its process group, so
-    nvcc too) leaves torch's lock; the next process says to delete it (and waits, as torch's
+    the compiler too) leaves torch's lock; the next process says to delete it (and waits, as torch's
     builder does, for a build that might still be running); once it is deleted, the next one
     rebuilds and loads (or, if the killed build left a library that does not load, says to
     delete the directory, and the one after that rebuilds)."""
@@ -281,11 +290,11 @@ def test_a_build_killed_half_way_says_what_to_delete_then_rebuilds(tmp_path):
         while not lock.exists():
             assert a.poll() is None and time.monotonic() - t0 < 120, "no build started"
             time.sleep(0.2)
-        time.sleep(15)  # nvcc is compiling (a build takes about a minute)
+        time.sleep(5)  # the host compiler is compiling (a build takes 15-25 s)
         assert a.poll() is None, "the build ended before it could be killed"
     finally:
         if a.poll() is None:
-            os.killpg(a.pid, signal.SIGKILL)  # the build's ninja and nvcc too
+            os.killpg(a.pid, signal.SIGKILL)  # the build's ninja and compiler too
         a.communicate()
     assert lock.exists()
 

@@ -369,7 +369,21 @@ def test_cli_info():
     r = _cli("info")
     assert r.returncode == 0, r.stderr
     assert "capability manifest" in r.stdout and "262144" in r.stdout
-    assert "CUDA library:" in r.stdout
+    assert "C++ binding (source digest" in r.stdout
+
+
+def test_cli_info_says_where_nvrtc_comes_from():
+    """The NVRTC it found and the headers' folders, or the extra to install."""
+    from torch_sm70attn import nvrtc
+
+    r = _cli("info", CUDA_VISIBLE_DEVICES="")
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("NVRTC"))
+    try:
+        tk = nvrtc.toolkit()
+        assert line.startswith(f"NVRTC {tk.version[0]}.{tk.version[1]}, CUDA headers in "), line
+    except RuntimeError:
+        assert "pip install 'torch-sm70attn[cuda1" in line, line
 
 
 def test_cli_check():
@@ -378,11 +392,10 @@ def test_cli_check():
     assert r.stdout.count(" ok") == 2, r.stdout
 
 
-def test_cli_info_without_gpu():
-    r = _cli("info", CUDA_VISIBLE_DEVICES="", TORCH_CUDA_ARCH_LIST="")
-    assert r.returncode == 0, r.stderr
-    lib = next(line for line in r.stdout.splitlines() if line.startswith("CUDA library:"))
-    assert "arch none" not in lib and "no GPU" in lib, lib
+def test_cli_build_without_gpu_or_arch_list():
+    r = _cli("build", CUDA_VISIBLE_DEVICES="", TORCH_CUDA_ARCH_LIST="")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "no CUDA device and no TORCH_CUDA_ARCH_LIST" in r.stderr
 
 
 def test_cli_check_small_context():

@@ -59,21 +59,21 @@ def test_unroll_step_of_a_loop_counter():
 
 
 def test_trip_counts_evaluated_in_the_kernels_scope():
-    """The bounds of the tile loop's inner loops, for D128 MB4 (NVRTC from the sm70check
-    wheels): KT::DPK = 8 D slices, PASSES = 2 softmax passes (a constexpr of the kernel)."""
-    import sm70_check
+    """The bounds of the tile loop's inner loops, for D128 MB4 (NVRTC of the runtime route, the
+    extra cuda12): KT::DPK = 8 D slices, PASSES = 2 softmax passes (a constexpr of the kernel)."""
+    from torch_sm70attn import nvrtc
 
     try:
-        nvrtc, _, incs = sm70_check.wheel_paths()
-    except SystemExit:
-        pytest.skip("the CUDA 12.9 wheels (extra sm70check) are not installed")
+        nvrtc.toolkit()
+    except RuntimeError as e:
+        pytest.skip(f"no NVRTC (extra cuda12): {e}")
     loops = [
         "paged_attention.cuh:169 for (int i = 0; i < KT::DPK; ++i) {",
         "paged_attention.cuh:202 for (int k = 0; k < PASSES; ++k) {",
         "paged_attention.cuh:1 while (true) {",
     ]
     traits = "sm70attn::AttnTraits<128, 4, 16>"
-    got = sm70_sass.trip_counts(nvrtc, incs, "sm_70", traits, "paged_attention.cuh", loops)
+    got = sm70_sass.trip_counts("sm_70", traits, "paged_attention.cuh", loops)
     assert got == [8, 2, None]
 
 

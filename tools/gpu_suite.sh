@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# One GPU session in one command: build the CUDA library, run the CUDA tests, compute-sanitizer
-# passes (memcheck over small problems; memcheck, racecheck, synccheck and initcheck over every
-# kernel the launcher can pick), and the benchmark smoke.
+# One GPU session in one command: build the CUDA binding and every kernel, run the CUDA tests,
+# compute-sanitizer passes (memcheck over small problems; memcheck, racecheck, synccheck and
+# initcheck over every kernel the launcher can pick), and the benchmark smoke. As on a V100 user's
+# machine, no CUDA toolkit is used: nvcc is taken off PATH and CUDA_HOME unset, the binding is
+# built by the host compiler and the kernels by NVRTC from the pip packages (the build step fails
+# if the binding's build names a toolkit folder).
 #   tools/gpu_suite.sh LOGDIR [pytest -k expression]
-# SUITE_STEPS="tests all-memcheck ..." runs only the steps named (info and build always run).
+# SUITE_STEPS="tests all-memcheck ..." runs only the steps named (info, build and no-toolkit always
+# run).
 # Logs: LOGDIR/{info,build,tests,sanitizer,all-<tool>,bench}.log, LOGDIR/bench.json,
 # LOGDIR/junit.xml.
 # Wheels for packages the GPU machine lacks may sit in .whl/ (installed to /tmp/site).
@@ -14,7 +18,12 @@ mkdir -p "$out"
 rm -f "$out"/*.log "$out/junit.xml" "$out/bench.json"  # a reused LOGDIR shows this run's logs only
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
+sanitizer=$(command -v compute-sanitizer) || { echo "compute-sanitizer not found"; exit 1; }
+toolkit=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
+unset CUDA_HOME CUDA_PATH
+PATH=$(printf '%s' "$PATH" | tr ':' '\n' | while read -r d; do [ -x "$d/nvcc" ] || printf '%s:' "$d"; done)
+export PATH=${PATH%:}
+if command -v nvcc >/dev/null; then echo "nvcc is still on PATH"; exit 1; fi
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -23,7 +32,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log
 status=0
 step() {  # step NAME CMD...: run, log, remember failure, print one line
   local name=$1; shift
-  if [ -n "${SUITE_STEPS:-}" ] && [[ " info build $SUITE_STEPS " != *" $name "* ]]; then return; fi
+  if [ -n "${SUITE_STEPS:-}" ] && [[ " info build no-toolkit $SUITE_STEPS " != *" $name "* ]]; then return; fi
   local t0=$SECONDS
   "$@" >"$out/$name.log" 2>&1
   local rc=$?
@@ -32,15 +41,18 @@ step() {  # step NAME CMD...: run, log, remember failure, print one line
 }
 step info python3 -m torch_sm70attn info
 step build python3 -m torch_sm70attn build
+# the binding's build line holds no toolkit folder (its CUDA headers are the pip packages')
+ninja_file=$(python3 -c 'from torch_sm70attn import _jit; print(_jit.build_dir(_jit.source_digest()) / "build.ninja")')
+step no-toolkit bash -c "! grep -n -e '$toolkit' -e nvcc '$ninja_file' && echo 'no toolkit in $ninja_file'"
 # The CPU tests run in CI; here the CUDA ones (and the demo through them).
 step tests python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" ${sel:+-k "$sel"} \
   tests/test_cuda.py tests/test_compile_cuda.py tests/test_transformers_cuda.py tests/test_readme.py \
   tests/test_adversarial.py tests/test_jit.py
-step sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sanitizer_smoke
+step sanitizer "$sanitizer" --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sanitizer_smoke
 # Every kernel the launcher can pick (tools/sanitize_cells.py: 105 small cells) under each tool.
 for tool in memcheck racecheck synccheck initcheck; do
   extra=(); [ "$tool" = memcheck ] && extra=(--sweep 40)  # and 40 random calls under memcheck
-  step "all-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 tools/sanitize_cells.py "${extra[@]}"
+  step "all-$tool" "$sanitizer" --tool "$tool" --error-exitcode 1 python3 tools/sanitize_cells.py "${extra[@]}"
 done
 if [ -f tools/bench.py ]; then
   step bench python3 tools/bench.py --smoke --json "$out/bench.json"

@@ -6,13 +6,12 @@ phase of the kernel source (the per-phase table in docs/perf.md).
     ncu --import-source yes --section SourceCounters --section WarpStateStats \\
         -k regex:paged -o prof python tools/profile_cells.py --reps 1
     ncu -i prof.ncu-rep --page source --csv --print-source sass > src.csv
-    # anywhere with nvcc and nvdisasm of the same CUDA version as the build that was profiled:
-    python tools/ncu_phases.py src.csv --arch sm_90a --warp-tiles 16384 393216
+    # where the profiled build's NVRTC is installed (the GPU machine), with an nvdisasm:
+    python tools/ncu_phases.py src.csv --arch sm_90 --warp-tiles 16384 393216
 
-ncu reports SASS addresses; nvdisasm -g of the same kernels, compiled here with the flags of
-the JIT build (torch_sm70attn._jit.CUDA_FLAGS and torch's nvcc flags), maps them to source
-lines (every instruction's opcode is compared: a different compiler or flags is an error, not
-a silent misattribution). Phases come from the comments
+ncu reports SASS addresses; nvdisasm -g of the same kernels, as the runtime compiles them
+(torch_sm70attn.nvrtc, the cubins of its cache), maps them to source lines (every instruction's
+opcode is compared: a different compiler or flags is an error, not a silent misattribution). Phases come from the comments
 that open each block of csrc/sm70attn/paged_attention.cuh; instructions inlined from other
 headers count with the kernel line before them, except e4m3.h (conversion) and kv_tile.h.
 --warp-tiles: per profiled attention kernel, (warps per CTA) x (tiles it processed: 32 tokens,
@@ -35,12 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # noqa: E402
-
-from torch_sm70attn._jit import CUDA_FLAGS  # noqa: E402
-
-# nvcc's flags in the JIT build (ours and torch's), for rebuilding its kernels to read their SASS
-JIT_NVCC_FLAGS = [*dict.fromkeys([*CUDA_FLAGS, *COMMON_NVCC_FLAGS]), "-std=c++17"]
+from torch_sm70attn import nvrtc  # noqa: E402
 
 KERNEL = ROOT / "csrc" / "sm70attn" / "paged_attention.cuh"
 # (phase, comment that opens it in paged_attention.cuh), in source order
@@ -152,31 +146,13 @@ def traits_of(name: str) -> tuple[int, int, int]:
 
 
 def disassemble(traits, arch: str, tools: Path | None, work: Path) -> str:
+    """nvdisasm -g of the (D, MB, VEC) WMMA kernel's cubin for arch, as the runtime builds it."""
     d, mb, vec = traits
-    src = work / f"k{d}_{mb}_{vec}.cu"
-    src.write_text(
-        '#include "sm70attn/paged_attention.cuh"\n'
-        f"template __global__ void sm70attn::paged_attention_kernel<sm70attn::AttnTraits<{d}, {mb}, {vec}>>"
-        "(sm70attn::PagedAttnParams);\n"
-    )
-    exe = lambda n: str(tools / n) if tools else (shutil.which(n) or n)  # noqa: E731
-    cubin = src.with_suffix(".cubin")
-    subprocess.run(
-        [
-            exe("nvcc"),
-            f"-arch={arch}",
-            "-cubin",
-            *JIT_NVCC_FLAGS,
-            "-I",
-            str(ROOT / "csrc"),
-            str(src),
-            "-o",
-            str(cubin),
-        ],
-        check=True,
-    )
+    cubin = work / f"k{d}_{mb}_{vec}.cubin"
+    cubin.write_bytes(nvrtc.cubin(nvrtc.Kernel("attn", (d, mb, vec)), arch).cubin)
+    nvdisasm = str(tools / "nvdisasm") if tools else (shutil.which("nvdisasm") or "nvdisasm")
     return subprocess.run(
-        [exe("nvdisasm"), "-g", "-c", str(cubin)], check=True, capture_output=True, text=True
+        [nvdisasm, "-g", "-c", str(cubin)], check=True, capture_output=True, text=True
     ).stdout
 
 
@@ -185,7 +161,7 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("csv", help="ncu -i REP --page source --csv --print-source sass")
-    ap.add_argument("--arch", default="sm_90a", help="the profiled GPU's arch (default sm_90a)")
+    ap.add_argument("--arch", default="sm_90", help="the profiled GPU's arch (default sm_90)")
     ap.add_argument(
         "--warp-tiles",
         type=float,
@@ -193,7 +169,7 @@ def main(argv=None):
         default=[],
         help="per attention kernel in the CSV: warps per CTA x tiles processed",
     )
-    ap.add_argument("--tools", type=Path, help="folder holding nvcc and nvdisasm (default: PATH)")
+    ap.add_argument("--tools", type=Path, help="folder holding nvdisasm (default: PATH)")
     a = ap.parse_args(argv)
     kernels, prev = [], None
     for k in read_ncu_csv(Path(a.csv).read_text()):

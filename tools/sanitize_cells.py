@@ -4,7 +4,7 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python tools/sanitize_cells.py [--sweep N]
 
-The kernels are the lists of csrc/sm70attn/static_switch.h (as tools/sm70_check.py reads
+The kernels are the lists of csrc/sm70attn/static_switch.h (as torch_sm70attn.nvrtc reads
 them): each attention kernel (D, MB, VEC) twice, with one split (fp16 output straight from the
 kernel) and with several (fp32 partials), the WMMA kernel and each atom of the
 register-fragment one (set_kernel_override; m16n8k16 on SM80+), and each combine kernel (D, WPR) through a decode
@@ -22,10 +22,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")]
 
 import torch  # noqa: E402
 from problems import make_problem, op_args  # noqa: E402
-from sm70_check import switch_entries  # noqa: E402
 from v100_model import combine_warps_per_row  # noqa: E402
 
 import torch_sm70attn as sa  # noqa: E402
+from torch_sm70attn.nvrtc import switch_entries  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """sm_70 SASS of every kernel: the instruction mix, whole kernel and per iteration of each loop.
 
-The kernels are built as tools/sm70_check.py builds them (NVRTC + ptxas 12.9 wheels, no GPU),
-then disassembled with nvdisasm from CUDA 11.8: nvdisasm 13 refuses sm_70. Debian's
+The kernels are built as the runtime builds them (torch_sm70attn.nvrtc: NVRTC of the installed
+CUDA wheels, no GPU; the extra cuda12 for sm_70), then disassembled with nvdisasm from CUDA 11.8: nvdisasm 13 refuses sm_70. Debian's
 `nvidia-cuda-toolkit` (bookworm, component non-free) ships it; without installing anything:
 
     echo "deb http://deb.debian.org/debian bookworm main non-free" > sources.list
@@ -47,8 +47,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sm70_check  # noqa: E402
+from torch_sm70attn import _jit, nvrtc
 
 CLASSES = {
     "tensor": {"HMMA"},
@@ -265,7 +264,7 @@ def _for_line(insns) -> str | None:
     found = []
     for loc in {x[4] for x in insns if x[4]}:
         path, line = loc.rsplit(":", 1)
-        full = os.path.join(sm70_check.CSRC, "sm70attn", path)
+        full = os.path.join(_jit.csrc_dir(), "sm70attn", path)
         if os.path.exists(full):
             text = open(full).read().splitlines()[int(line) - 1].strip()
             if text.startswith("for ("):
@@ -280,14 +279,14 @@ FOR = re.compile(r"for \(int (\w+) = (\d+); \1 < ([^;]+); \+\+\1\)")
 KERNEL_CONSTANTS = re.compile(r"^\s*constexpr (?:int|bool) [^;]*;$", re.M)
 
 
-def constants(nvrtc, incs, arch, prelude: str, exprs: list) -> list:
+def constants(arch, prelude: str, exprs: list) -> list:
     """Integer constant expressions (None entries skipped) evaluated by NVRTC after `prelude`,
     read back from the PTX; a list of None if the probe does not compile."""
     src = prelude + "".join(
         f'extern "C" __device__ long long probe_{i} = {e};\n' for i, e in enumerate(exprs) if e
     )
     try:
-        ptx = sm70_check.nvrtc_ptx(nvrtc, incs, arch, "probe.cu", src)
+        ptx = nvrtc.compile_program(src, "compute_" + arch[3:].rstrip("a"), cubin=False)[0]
     except RuntimeError:
         return [None] * len(exprs)
     found = [
@@ -296,14 +295,14 @@ def constants(nvrtc, incs, arch, prelude: str, exprs: list) -> list:
     return [int(m.group(1)) if m else None for m in found]
 
 
-def trip_counts(nvrtc, incs, arch, traits: str, header: str, loops: list) -> list:
+def trip_counts(arch, traits: str, header: str, loops: list) -> list:
     """Trip count of each `for (int i = A; i < BOUND; ++i)` in `loops` (source lines), BOUND
     evaluated by NVRTC for these traits in the scope of the kernel's own constexprs (copied
     from its header into a probe struct); None where the form or the evaluation fails."""
     forms = [FOR.search(f or "") for f in loops]
     if not traits or not any(forms):
         return [None] * len(loops)
-    text = open(os.path.join(sm70_check.CSRC, "sm70attn", header)).read()
+    text = open(os.path.join(_jit.csrc_dir(), "sm70attn", header)).read()
     consts = "\n".join("static " + c.strip() for c in KERNEL_CONSTANTS.findall(text))
     members = "".join(
         f"static constexpr long long value_{i} = ({m.group(3)}) - {m.group(2)};\n"
@@ -312,44 +311,34 @@ def trip_counts(nvrtc, incs, arch, traits: str, header: str, loops: list) -> lis
     )
     prelude = f'#include "sm70attn/{header}"\ntemplate <class KT> struct Probe {{\n{consts}\n{members}}};\n'
     exprs = [f"Probe<{traits}>::value_{i}" if m else None for i, m in enumerate(forms)]
-    return constants(nvrtc, incs, arch, prelude, exprs)
+    return constants(arch, prelude, exprs)
 
 
 def disassemble(args):
-    """Build one kernel for the arch (as the SM70 gate does, or with `nvcc` and its flags as
-    the JIT build does when args carries them) and disassemble it; r["regs"] from ptxas."""
-    (name, header, inst, traits), arch, nvrtc, ptxas, incs, nvdisasm, *nvcc = args
-    src = f'#include "sm70attn/{header}"\n{inst}\n'
-    fname = name.replace(" ", "_") + ".cu"
+    """Build one kernel (a torch_sm70attn.nvrtc.Kernel) for the arch as the runtime does, or
+    with `nvcc` and its flags when args carries them, and disassemble it; r["regs"] from ptxas."""
+    kernel, arch, nvdisasm, *nvcc = args
+    name, header, traits = kernel.name, kernel.header, kernel.traits
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
-        if nvcc:  # [nvcc, flags]: the JIT build's compiler and flags
-            path = os.path.join(tmp, fname)
+        if nvcc:  # [nvcc, flags]: taking the kernel's address instantiates it
+            path = os.path.join(tmp, name.replace(" ", "_") + ".cu")
             with open(path, "w") as f:
-                f.write(src)
-            cmd = [
-                nvcc[0],
-                f"-arch={arch}",
-                "-cubin",
-                *nvcc[1],
-                "-Xptxas",
-                "-v",
-                "-I",
-                sm70_check.CSRC,
-                path,
-            ]
-            built = subprocess.run([*cmd, "-o", cubin], check=True, capture_output=True, text=True)
+                f.write(
+                    f'#include "sm70attn/{header}"\nvoid* probe() {{ return (void*)&{kernel.expr}; }}\n'
+                )
+            cmd = [nvcc[0], f"-arch={arch}", "-cubin", *nvcc[1], "-Xptxas", "-v", "-I"]
+            cmd += [str(_jit.csrc_dir()), path, "-o", cubin]
+            ptxas_log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
         else:
-            ptx = sm70_check.nvrtc_ptx(nvrtc, incs, arch, fname, src, extra=("-lineinfo",))
-            ptx_path = os.path.join(tmp, "k.ptx")
-            with open(ptx_path, "w") as f:
-                f.write(ptx)
-            cmd = [ptxas, f"-arch={arch}", "-v", "-lineinfo", ptx_path, "-o", cubin]
-            built = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            c = nvrtc.compile_kernel(kernel, arch)
+            with open(cubin, "wb") as f:
+                f.write(c.cubin)
+            ptxas_log = f"Used {c.info['regs']} registers"
         sass = subprocess.run(
             [nvdisasm, "-c", "-g", cubin], check=True, capture_output=True, text=True
         )
-    regs = [int(x) for x in re.findall(r"Used (\d+) registers", built.stderr)]
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", ptxas_log)]
     kernels = parse(sass.stdout)
     entry = max(kernels, key=lambda k: len(kernels[k]))  # the one entry (plus helpers, if any)
     gaps = missing(kernels[entry])
@@ -362,27 +351,27 @@ def disassemble(args):
     r = analyse(kernels[entry])
     r["regs"] = max(regs, default=None)
     inner = r.get("inner_loops", [])
-    trips = trip_counts(nvrtc, incs, arch, traits, header, [x["for"] for x in inner])
+    trips = trip_counts(arch, traits, header, [x["for"] for x in inner])
     for x, n in zip(inner, trips, strict=True):
         x["trips"] = None if n is None else -(-n // x["step"])  # trips of the unrolled loop
     if "main_loop" in r and all(x["trips"] is not None for x in inner):
         per = [(r["main_loop"], 1)] + [(x, x["trips"]) for x in inner]
         r["per_tile"] = sum(m["total"] * n for m, n in per)
         # check: the tile's HMMA, over all warps, do the tile's 2 x ROWS x N x D products
-        size = traits_sizes(nvrtc, incs, arch, traits)
+        size = traits_sizes(arch, traits)
         if size:
             macs = sum(m.get("hmma_macs", 0) * n for m, n in per) * size["WARPS"]
             r["mac_check"] = macs / (2 * size["ROWS"] * size["N"] * size["D"])
     return name, r
 
 
-def traits_sizes(nvrtc, incs, arch, traits):
+def traits_sizes(arch, traits):
     """D, ROWS, N and WARPS of an AttnTraits type (None for other kernels)."""
     if not traits or "AttnTraits" not in traits:
         return None
     names = ("D", "ROWS", "N", "WARPS")
     prelude = '#include "sm70attn/traits.h"\n'
-    values = constants(nvrtc, incs, arch, prelude, [f"{traits}::{n}" for n in names])
+    values = constants(arch, prelude, [f"{traits}::{n}" for n in names])
     return None if None in values else dict(zip(names, values, strict=True))
 
 
@@ -419,9 +408,8 @@ def main() -> int:
         sys.exit(f"nvdisasm not found ({args.nvdisasm}): see the top of tools/sm70_sass.py")
     if "release 11" not in out.stdout and args.arch == "sm_70":
         print(f"warning: {args.nvdisasm} is not CUDA 11.x; newer ones refuse sm_70", flush=True)
-    nvrtc, ptxas, incs = sm70_check.wheel_paths()
-    todo = [k for k in sm70_check.kernel_list() if re.search(args.kernels, k[0])]
-    jobs = [(k, args.arch, nvrtc, ptxas, incs, args.nvdisasm) for k in todo]
+    todo = [k for k in nvrtc.kernels() if re.search(args.kernels, k.name)]
+    jobs = [(k, args.arch, args.nvdisasm) for k in todo]
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(disassemble, jobs))
     print(table(results))

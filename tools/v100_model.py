@@ -55,6 +55,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "docs", "data")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# nvcc's device flags in the nvcc build (ours, then torch's) that the H200 calibration runs were
+# measured on, for the sm_90a SASS (--sass).
+NVCC_BUILD_FLAGS = [
+    "-O3",
+    "--expt-relaxed-constexpr",
+    "-lineinfo",
+    "-D__CUDA_NO_HALF_OPERATORS__",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
+    "-std=c++17",
+]
+
 # Hardware. H200: 132 SMs, the clock ncu read under the attention kernels (1.78-1.84 GHz), the
 # device-to-device copy bandwidth the calibration runs measured (read + write, 4.1-4.2 TB/s).
 # V100-SXM2: 80 SMs at its 1.53 GHz boost clock, 96 KB of shared memory per SM, 900 GB/s peak
@@ -145,33 +158,36 @@ def occupancy(regs: int, threads: int, smem: int, gpu: dict) -> int:
 def build_sass(nvdisasm70: str, nvdisasm90: str, nvcc: str, jobs: int) -> dict:
     """Per arch and VEC16 attention kernel (and combine): registers, threads, shared memory,
     and the static instructions of one tile (main loop plus inner loops x trips) and of the
-    rest of the kernel, by class; from tools/sm70_check.py and tools/sm70_sass.py. sm_70 as the
-    SM70 gate builds it (NVRTC + ptxas 12.9); sm_90a as the H200's JIT build does (nvcc 13 with
-    its flags: the registers, so the occupancy, and the code are those of the measured binary)."""
+    rest of the kernel, by class; from torch_sm70attn.nvrtc and tools/sm70_sass.py. sm_70 as the
+    runtime builds it for a V100 (NVRTC of CUDA 12, the extra cuda12); sm_90a with nvcc 13 and the
+    flags of the nvcc build the H200 calibration runs were measured on (the NVRTC build for sm_90
+    that replaced it holds the same machine code: docs/perf.md, "The NVRTC build")."""
     import concurrent.futures
 
-    import sm70_check
     import sm70_sass
-    from ncu_phases import JIT_NVCC_FLAGS
 
-    nvrtc, ptxas, incs = sm70_check.wheel_paths()
-    kernels = [k for k in sm70_check.kernel_list() if "VEC16" in k[0] or k[0].startswith("combine")]
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:  # threads, shared memory
-        checks = list(
-            pool.map(sm70_check.check_kernel, [(k, "sm_70", nvrtc, ptxas, incs) for k in kernels])
+    from torch_sm70attn import nvrtc
+
+    kernels = [k for k in nvrtc.kernels() if "VEC16" in k.name or k.family == "combine"]
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:  # threads, shared memory
+        built = list(pool.map(lambda k: nvrtc.compile_kernel(k, "sm_70"), kernels))
+    nvrtc.gate(built)  # (fills in each kernel's dynamic shared memory)
+    checks = [
+        dict(
+            name=c.kernel.name,
+            threads=c.info["threads"],
+            smem_static=c.info["smem_static"],
+            smem_dyn=c.info["smem_dyn"],
         )
+        for c in built
+    ]
     out = {}
     for arch, nvd, extra in (
         ("sm_70", nvdisasm70, []),
-        ("sm_90a", nvdisasm90, [nvcc, JIT_NVCC_FLAGS]),
+        ("sm_90a", nvdisasm90, [nvcc, NVCC_BUILD_FLAGS]),
     ):
         with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
-            sass = dict(
-                pool.map(
-                    sm70_sass.disassemble,
-                    [(k, arch, nvrtc, ptxas, incs, nvd, *extra) for k in kernels],
-                )
-            )
+            sass = dict(pool.map(sm70_sass.disassemble, [(k, arch, nvd, *extra) for k in kernels]))
         arch = arch.rstrip("a")
         out[arch] = {}
         for c in checks:  # threads and shared memory from the traits; registers of this build

@@ -15,7 +15,7 @@ import torch
 
 from . import ops, routes  # ops registers the sm70attn:: operators
 from .manifest import MANIFEST, contract
-from .routes import CUDA, REFERENCE, Admission, admit
+from .routes import CUDA, REFERENCE, UNSUPPORTED, Admission, admit
 
 __version__ = "0.1.0"
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "Admission",
     "CUDA",
     "REFERENCE",
+    "UNSUPPORTED",
 ]
 
 
@@ -121,11 +122,10 @@ def paged_attention(
         _as_scale("k_scale", k_scale, query.device),
         _as_scale("v_scale", v_scale, query.device),
     )
-    if query.device.type == "cuda":
-        route = admit(query, key_cache, block_table)
-        if route.route != CUDA:
-            routes.warn_fallback(route.reason)
-            return ops._paged_attention_ref(*args)
+    # The route is the binding's to decide, as for the raw op's calls (routes.py), except that
+    # TORCH_SM70ATTN_DISABLE is read here on every call.
+    if query.device.type == "cuda" and routes.disabled():
+        return ops._paged_attention_ref(*args)
     return torch.ops.sm70attn.paged_attention.default(*args)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import re
 import statistics
@@ -15,7 +16,7 @@ import torch
 
 import torch_sm70attn as sa
 
-from . import _jit, ops, routes
+from . import _jit, nvrtc, ops, routes
 from .manifest import contract
 
 
@@ -63,29 +64,89 @@ def info(args) -> int:
     print(f"routes on this device ({dev_reason.reason}):")
     for name, route, reason in _route_table(dev):
         print(f"  {name:<24} {route:<10} {reason}")
+    print(_cuda_status())
+    return 0
+
+
+def _cuda_status() -> str:
+    """The toolkit (NVRTC and headers), the binding and the cached kernels, in a few lines."""
+    lines = []
+    try:
+        tk = nvrtc.toolkit()
+        lines.append(
+            f"NVRTC {tk.version[0]}.{tk.version[1]}, CUDA headers in {', '.join(tk.includes)}"
+        )
+    except RuntimeError as e:
+        lines.append(f"NVRTC: {e}")
+        tk = None
     try:
         digest = _jit.source_digest()
-        built = _jit.is_built(digest)
-        arch = _jit.arch_list()
-        arch = "no GPU, no TORCH_CUDA_ARCH_LIST" if arch == "none" else f"arch {arch}"
-        print(
-            f"CUDA library: source digest {digest} ({arch}), "
-            f"{'built at ' + str(_jit.build_dir(digest)) if built else 'not built'}"
-        )
     except FileNotFoundError as e:
-        print(f"CUDA library: {e}")
-    return 0
+        return "\n".join(lines + [f"CUDA library: {e}"])
+    out = _jit.build_dir(digest)
+    built = f"built at {out}" if _jit.is_built(digest) else "not built"
+    lines.append(f"C++ binding (source digest {digest}): {built}")
+    kernels = out / "kernels"
+    if tk and kernels.is_dir():
+        for d in sorted(kernels.iterdir()):
+            n = len(list(d.glob("*.cubin")))
+            lines.append(f"kernels cached for {d.name}: {n} of {len(nvrtc.kernels())}")
+    return "\n".join(lines)
+
+
+def _build_archs() -> list[str]:
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if env.strip():
+        return nvrtc.archs_from_env(env)
+    if torch.cuda.is_available():
+        caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+        return [nvrtc.arch_of(c) for c in sorted(caps)]
+    return []
 
 
 def build(args) -> int:
-    if not torch.cuda.is_available() and not _jit.arch_list().replace("none", ""):
+    archs = _build_archs()
+    if not archs:
         print("no CUDA device and no TORCH_CUDA_ARCH_LIST: nothing to build for", file=sys.stderr)
         return 1
-    t0 = time.perf_counter()
-    mod = ops.load_cuda_kernels()
-    print(f"built {_jit.module_name(mod.digest())} in {time.perf_counter() - t0:.1f} s")
-    print(f"at {_jit.build_dir(mod.digest())}")
-    return 0
+    status = 0
+    if torch.version.cuda is None:
+        print(f"C++ binding: not built (torch {torch.__version__} is a CPU-only build)")
+    else:
+        t0 = time.perf_counter()
+        mod = ops.load_cuda_kernels()
+        took = time.perf_counter() - t0
+        print(f"C++ binding {_jit.module_name(mod.digest())}: {took:.1f} s (host compiler)")
+        print(f"at {_jit.build_dir(mod.digest())}")
+    for arch in archs:
+        t0 = time.perf_counter()
+
+        def progress(i, n, c):
+            took = f"{c.seconds:.1f} s" if c.seconds else "cached"
+            print(f"[{i:2d}/{n}] {c.arch} {c.kernel.name:<34} {took}", flush=True)
+
+        built = nvrtc.build(arch, args.jobs, progress)
+        errors = nvrtc.gate(built)
+        print(_kernel_table(built))
+        verdict = f"{len(built)} kernels for {arch} in {time.perf_counter() - t0:.0f} s"
+        print(f"at {nvrtc.cache_dir(arch)}")
+        if arch == "sm_70":  # the V100's rules (SM70 gate)
+            for e in errors:
+                print(f"ERROR: {e}")
+            print(f"{'FAIL' if errors else 'PASS'}: {verdict}, {len(errors)} errors (SM70 gate)")
+            status |= bool(errors)
+        else:
+            print(f"built: {verdict} (the SM70 gate applies to sm_70 only)")
+    return status
+
+
+def _kernel_table(built) -> str:
+    cols = ("threads", "regs", "smem_static", "smem_dyn", "stack", "spill_st", "spill_ld")
+    head = f"{'kernel':<34}" + "".join(f"{c:>12}" for c in cols)
+    rows = [head, "-" * len(head)]
+    for c in built:
+        rows.append(f"{c.kernel.name:<34}" + "".join(f"{c.info.get(k, 0):>12}" for k in cols))
+    return "\n".join(rows)
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -204,7 +265,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m torch_sm70attn", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions, device, manifest, routes, CUDA library status")
-    sub.add_parser("build", help="JIT-build the CUDA library now (honours TORCH_CUDA_ARCH_LIST)")
+    b = sub.add_parser(
+        "build",
+        help="build the C++ binding and compile every kernel now, for TORCH_CUDA_ARCH_LIST or "
+        "this machine's GPUs (no GPU needed); sm_70 is held to the SM70 gate",
+    )
+    b.add_argument("--jobs", type=_at_least(1), help="parallel compiles (default: the cores)")
     d = sub.add_parser(
         "demo",
         help="a Qwen3-architecture model generating through the paged E4M3 cache (prefill, "

@@ -1,8 +1,11 @@
-"""JIT build of the CUDA library (csrc/) with ninja, keyed by a digest of its sources.
+"""JIT build of the torch binding (csrc/binding.cpp) with the host C++ compiler and ninja, keyed
+by a digest of the sources. No CUDA toolkit: the binding includes the CUDA headers of the pip
+packages (torch_sm70attn.nvrtc.toolkit) and links torch's libraries only; the kernels themselves
+are compiled by NVRTC at their first use (torch_sm70attn/nvrtc.py) into the same directory.
 
-The digest covers every file under csrc/, the compiler flags, the target architectures and
-the torch/CUDA versions. It names the module and its build directory, is compiled into the
-library, and is compared on load: a library built from other sources is refused.
+The digest covers every file under csrc/, the compiler flags and the torch/CUDA versions. It
+names the module and its build directory, is compiled into the library, and is compared on
+load: a library built from other sources is refused.
 
 The build compiles a copy of csrc/ kept in the build directory (`src/`, made once per digest),
 not the installed files: every install of the same sources (two venvs, two checkouts) then
@@ -26,28 +29,18 @@ import torch
 
 log = logging.getLogger("torch_sm70attn")
 
-# The C++ standard is torch's own choice (C++17 or later).
-CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+# The C++ standard is torch's own choice (C++17 or later). SM70ATTN_HOST: the kernel headers
+# the binding includes (params, traits, plan) are read by a host compiler (params.h).
+CXX_FLAGS = ["-O3", "-DSM70ATTN_HOST"]
 
 
 def csrc_dir() -> Path:
     """csrc/ of a source checkout (editable install) or of an installed wheel."""
     here = Path(__file__).resolve().parent
     for d in (here.parent / "csrc", here / "csrc"):
-        if (d / "binding.cu").is_file():
+        if (d / "binding.cpp").is_file():
             return d
     raise FileNotFoundError(f"CUDA sources not found next to {here}")
-
-
-def arch_list() -> str:
-    """TORCH_CUDA_ARCH_LIST if set (as torch's builder honours it), else the current GPU."""
-    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
-    if env:
-        return env
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return f"{major}.{minor}"
-    return "none"
 
 
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
@@ -63,13 +56,16 @@ def source_files() -> list[Path]:
     return [root / f for f in _sources(root)]
 
 
-def source_digest(arch: str | None = None) -> str:
+def source_digest() -> str:
+    """Sources, flags (the binding's and NVRTC's) and torch's version: the kernels' cubins are
+    kept per architecture and NVRTC version below the directory this names."""
+    from .nvrtc import NVRTC_OPTIONS
+
     h = hashlib.sha256()
     root = csrc_dir()
     for p in source_files():
         h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
-    h.update(" ".join(CUDA_FLAGS).encode())
-    h.update((arch or arch_list()).encode())
+    h.update(" ".join(CXX_FLAGS + list(NVRTC_OPTIONS)).encode())
     h.update(f"{torch.__version__} {torch.version.cuda}".encode())
     return h.hexdigest()[:16]
 
@@ -91,10 +87,10 @@ def build_dir(digest: str) -> Path:
     return Path(base) / module_name(digest)
 
 
-def _make_dir(path: Path) -> None:
+def make_dir(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
+        probe = path / f".write-test-{os.getpid()}-{threading.get_ident()}"
         probe.touch()
         probe.unlink()
     except OSError as e:
@@ -133,6 +129,19 @@ def stage_sources(out: Path) -> Path:
     return src
 
 
+_staged: dict[str, Path] = {}
+
+
+def staged_sources() -> Path:
+    """The staged copy of csrc/ for this digest (NVRTC compiles the kernels from it too)."""
+    digest = source_digest()
+    if digest not in _staged:
+        out = build_dir(digest)
+        make_dir(out)
+        _staged[digest] = stage_sources(out)
+    return _staged[digest]
+
+
 STALE_LOCK_S = 1800  # a build takes minutes: a lock this old outlived the build that made it
 
 
@@ -164,45 +173,57 @@ def is_built(digest: str | None = None) -> bool:
 
 @functools.cache
 def load():
-    """Build (first time, about a minute) and load the CUDA library; returns the module.
-
-    Loading registers the CUDA kernels of the sm70attn:: ops (TORCH_LIBRARY_IMPL).
+    """Build (the first time for these sources and this torch, a minute) and load the binding;
+    returns the module. Loading registers the CUDA implementations of the sm70attn:: ops
+    (TORCH_LIBRARY_IMPL); torch_sm70attn.ops.load_cuda_kernels then hands it its kernel loader.
     """
     from torch.utils import cpp_extension
 
+    from .nvrtc import toolkit
+
+    if torch.version.cuda is None:
+        raise RuntimeError(
+            f"torch_sm70attn: this torch ({torch.__version__}) is a CPU-only build: the CUDA "
+            "binding needs a CUDA build of torch (on a V100: torch==2.10.0 from PyPI)"
+        )
+    tk = toolkit()
     digest = source_digest()
     name = module_name(digest)
     out = build_dir(digest)
-    _make_dir(out)
+    make_dir(out)
     src = stage_sources(out)
     check_lock(out)
     fresh = not is_built(digest)
     if fresh:
         log.warning(
-            "torch_sm70attn: building the CUDA kernels for arch %s in %s (about a minute)...",
-            arch_list(),
+            "torch_sm70attn: building the C++ binding in %s (host compiler, once per torch "
+            "version, about a minute)...",
             out,
         )
     t0 = time.perf_counter()
     try:
         mod = cpp_extension.load(
             name=name,
-            sources=[str(src / "binding.cu")],
-            extra_include_paths=[str(src)],
-            extra_cuda_cflags=CUDA_FLAGS + [f"-DSM70ATTN_DIGEST={digest}"],
+            sources=[str(src / "binding.cpp")],
+            extra_include_paths=[str(src), *tk.includes],
+            extra_cflags=CXX_FLAGS + [f"-DSM70ATTN_DIGEST={digest}"],
+            # c10_cuda: streams and device guards (it brings the CUDA runtime with it); the
+            # driver is opened at the first launch, and dlopen needs libdl on older glibc
+            extra_ldflags=["-lc10_cuda", "-ldl"],
+            with_cuda=False,
             build_directory=str(out),
             verbose=False,
         )
     except ImportError as e:  # a truncated library (a killed link) fails here, not in ninja
         raise RuntimeError(
-            f"torch_sm70attn: the CUDA library in {out} does not load ({e}); if a build was "
+            f"torch_sm70attn: the CUDA binding in {out} does not load ({e}); if a build was "
             f"killed half way, delete {out} and retry"
         ) from e
     if fresh:
-        log.warning("torch_sm70attn: CUDA kernels built in %.1f s", time.perf_counter() - t0)
+        log.warning("torch_sm70attn: C++ binding built in %.1f s", time.perf_counter() - t0)
     if mod.digest() != digest:
         raise RuntimeError(
-            f"torch_sm70attn: the CUDA library at {out} was built from sources with digest "
+            f"torch_sm70attn: the CUDA binding at {out} was built from sources with digest "
             f"{mod.digest()}, but this tree's digest is {digest}; delete that directory to rebuild"
         )
     return mod

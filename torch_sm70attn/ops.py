@@ -1,5 +1,5 @@
 """The sm70attn operators: each schema defined once, its fake kernel right under it, then
-its CPU kernel. CUDA kernels are registered by the compiled library (csrc/binding.cu) once
+its CPU kernel. CUDA kernels are registered by the compiled binding (csrc/binding.cpp) once
 it is loaded; see routes.py for how a call reaches them.
 """
 
@@ -92,11 +92,12 @@ def _verifier_mask_any(seq_lens, q_rows, kv_len):
 # Plain tensor ops: the same code is right on every device.
 lib.impl("verifier_mask", _verifier_mask_any, "CompositeExplicitAutograd")
 
-# CUDA: the compiled library (csrc/binding.cu) registers the kernels of both ops for the
-# CUDA key when it is loaded. It is JIT-built on first use, so until then the CUDA key holds
-# a loader: the first CUDA call drops the loader's registration, builds and loads the
-# library, and dispatches again, straight to C++. With TORCH_SM70ATTN_DISABLE=1 at that
-# first call nothing is built and CUDA calls run the reference (right, slow, not capturable).
+# CUDA: the compiled binding (csrc/binding.cpp) registers the CUDA implementations of both ops
+# when it is loaded. It is built on first use, so until then the CUDA key holds a loader: the
+# first CUDA call drops the loader's registration, builds and loads the binding, and dispatches
+# again, straight to C++ (whose kernels NVRTC compiles at their own first use). With
+# TORCH_SM70ATTN_DISABLE=1 at that first call nothing is built and CUDA calls run the reference
+# (right, slow, not capturable).
 _REFERENCE = {"paged_attention": _paged_attention_ref, "store_kv": _store_kv_ref}
 _loader: torch.library.Library | None = None
 
@@ -118,17 +119,47 @@ def _install_loader() -> None:
         _loader.impl(name, _first_cuda_call(name), "CUDA")
 
 
+def cuda_fallback(query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale):
+    """The reference route of a CUDA call the binding does not take to its kernels (it checks the
+    manifest's bounds, handed over at load): routes.admit says why, once per reason, as for the
+    public function's calls."""
+    a = routes.admit(query, key_cache, block_table)
+    if a.route == routes.CUDA:
+        raise RuntimeError(
+            "torch_sm70attn: the binding refused a call that torch_sm70attn.admit admits "
+            f"(query {tuple(query.shape)}, cache {tuple(key_cache.shape)} strides "
+            f"{key_cache.stride()}, table {tuple(block_table.shape)}): please report this"
+        )
+    routes.warn_fallback(a.reason)
+    return _paged_attention_ref(
+        query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale
+    )
+
+
 def load_cuda_kernels():
-    """Build (once) and load the CUDA library; returns it. Raises if it cannot be built."""
+    """Build (once) and load the CUDA binding; returns it. Raises if it cannot be built, or if
+    this torch has no code for the GPU (torch_sm70attn.nvrtc.check_torch_arch)."""
     global _loader
-    from . import _jit
+    from . import _jit, nvrtc
+    from .manifest import MANIFEST
 
     if _loader is None:
         return _jit.load()  # cached
+    if torch.cuda.is_available():  # (`build` loads it on a machine without a GPU too)
+        nvrtc.check_torch_arch(torch.cuda.current_device())
     _loader._destroy()
     _loader = None
     try:
         mod = _jit.load()
+        mod.init(
+            nvrtc.fetch,
+            cuda_fallback,
+            head_dims=list(MANIFEST.head_dims),
+            group_sizes=list(MANIFEST.group_sizes),
+            query_rows=list(MANIFEST.query_rows),
+            max_context=MANIFEST.max_context,
+            min_cc=10 * MANIFEST.min_compute_capability[0] + MANIFEST.min_compute_capability[1],
+        )
     except Exception:
         _install_loader()
         raise

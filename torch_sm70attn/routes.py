@@ -1,7 +1,10 @@
 """Which implementation serves a call: the fused CUDA kernel or the reference.
 
-`admit` decides from metadata alone (real or fake tensors), so the FX pass can ask the same
-question at compile time that the eager wrapper asks at run time.
+`admit` decides from metadata alone (real or fake tensors), so the FX pass can ask at compile
+time what a call meets at run time. At run time the binding decides, for the public function and
+the raw op alike, by the same manifest (handed to it at load: ops.load_cuda_kernels) and the same
+alignment rule; a call it refuses comes back to `admit` for the reason (ops.cuda_fallback), and
+tests/test_cuda.py checks that the two agree.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ log = logging.getLogger("torch_sm70attn")
 
 CUDA = "cuda"  # the fused kernels of csrc/
 REFERENCE = "reference"  # reference.py: plain PyTorch, any device, not graph-capturable on a GPU
+UNSUPPORTED = "unsupported"  # no route: the op rejects these inputs (a TypeError names why)
 
 
 class Admission(NamedTuple):
@@ -55,12 +59,20 @@ def _device_refusal(query) -> str | None:
     return None
 
 
-def shape_refusal(query, key_cache, block_table=None, served_capacity=None) -> str | None:
-    """Why the manifest does not admit these shapes/dtypes/strides, or None."""
+def dtype_refusal(query, key_cache) -> str | None:
+    """Why the op takes these dtypes on no route (it raises TypeError), or None."""
     if query.dtype not in MANIFEST.query_dtypes:
         return f"query dtype {query.dtype} not in {MANIFEST.query_dtypes}"
     if key_cache.dtype not in MANIFEST.cache_dtypes:
         return f"cache dtype {key_cache.dtype} not in {MANIFEST.cache_dtypes}"
+    return None
+
+
+def shape_refusal(query, key_cache, block_table=None, served_capacity=None) -> str | None:
+    """Why the manifest does not admit these shapes/dtypes/strides, or None."""
+    why = dtype_refusal(query, key_cache)
+    if why:
+        return why
     _, H_q, Q, D = query.shape
     _, page_size, H_kv, _ = key_cache.shape
     if D not in MANIFEST.head_dims:
@@ -80,14 +92,19 @@ def shape_refusal(query, key_cache, block_table=None, served_capacity=None) -> s
     # The kernels load K/V rows 8 bytes at a time at least (16 where strides allow). Dynamo
     # cannot trace storage_offset(): inside a traced function (the attention of a compiled
     # model) the offset is left to the CUDA kernel, which raises on a misaligned cache.
+    # A stride only matters along a dimension of size > 1 (as the binding reads it).
     offset = 0 if torch.compiler.is_compiling() else key_cache.storage_offset()
-    if offset % 8 or any(s % 8 for s in key_cache.stride()[:-1]):
+    strides = zip(key_cache.stride()[:-1], key_cache.shape[:-1])  # noqa: B905
+    if offset % 8 or any(s % 8 for s, n in strides if n > 1):
         return f"cache strides {key_cache.stride()} / offset not 8-byte aligned"
     return None
 
 
 def admit(query, key_cache, block_table=None, *, served_capacity=None) -> Admission:
     """Route for a paged_attention call with these tensors (real or fake) and the reason."""
+    why = dtype_refusal(query, key_cache)
+    if why:
+        return Admission(UNSUPPORTED, why + ": paged_attention raises TypeError")
     reason = _device_refusal(query) or shape_refusal(query, key_cache, block_table, served_capacity)
     if reason is None:
         return Admission(CUDA, "admitted")

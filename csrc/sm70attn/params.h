@@ -2,7 +2,14 @@
 // Strides are in elements of the pointed-to type (fp8 caches: bytes).
 #pragma once
 
+#ifdef SM70ATTN_HOST
+// The binding, built by a host compiler alone, only points at fp16 data: cuda_fp16.h would need
+// CUDA's C++ library headers (<nv/target>), which the pip packages of the toolkit do not ship.
+#include <vector_types.h>  // float2; __host__ and __device__ for a host compiler
+struct __half;
+#else
 #include <cuda_fp16.h>
+#endif
 
 namespace sm70attn {
 

@@ -7,7 +7,6 @@
 
 #include "sm70attn/params.h"
 #include "sm70attn/traits.h"
-#include "sm70attn/utils.h"
 
 namespace sm70attn {
 

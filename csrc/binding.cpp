@@ -1,25 +1,28 @@
 // Torch binding: CUDA implementations of the sm70attn ops whose schemas are defined in Python
-// (torch_sm70attn), plus `digest` and `set_validate` for the JIT loader. The only file that
-// includes torch; kernels live in torch-free headers under sm70attn/.
+// (torch_sm70attn), plus the hooks of the loader (init, digest, set_validate) and of tests and
+// benchmarks. The only file that includes torch. Built by the host C++ compiler alone (no nvcc):
+// the kernels, torch-free headers under sm70attn/, are compiled at their first use by NVRTC
+// (torch_sm70attn/nvrtc.py) and launched through the driver API (launch.h).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <pybind11/pybind11.h>
+#include <dlfcn.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cmath>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <vector>
 
-#include "sm70attn/launch.h"
-#include "sm70attn/mma_check.cuh"
+#include "launch.h"
 
 // The JIT loader passes the digest as a bare token (-DSM70ATTN_DIGEST=abc123): quotes do not
 // survive the build's command line.
@@ -28,6 +31,8 @@
 #endif
 #define SM70ATTN_STR2(x) #x
 #define SM70ATTN_STR(x) SM70ATTN_STR2(x)
+
+namespace py = pybind11;
 
 namespace {
 
@@ -96,30 +101,115 @@ int scale_stride(const at::Tensor& s, i64 h_kv, const at::Tensor& ref, const cha
   return s.numel() == 1 ? 0 : (int)s.stride(0);
 }
 
+
+// --- The driver API, from libcuda (dlopen'd at the first launch, as torch's own users of the driver
+// do: a binding built without the toolkit links none of it).
+struct HostDriver {
+  sm70attn::Driver launch;
+  decltype(&::cuDeviceGetAttribute) attribute = nullptr;
+  decltype(&::cuGetErrorString) error_string = nullptr;
+};
+
+const HostDriver& driver() {
+  static const HostDriver d = [] {
+    HostDriver h;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    TORCH_CHECK(lib, msg("torch_sm70attn: cannot load the CUDA driver (libcuda.so.1): ", dlerror()));
+    auto sym = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      TORCH_CHECK(fn, msg("torch_sm70attn: the CUDA driver has no ", name));
+    };
+    sym(h.launch.launch, "cuLaunchKernel");
+    sym(h.launch.set_attribute, "cuFuncSetAttribute");
+    sym(h.launch.occupancy, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+    sym(h.attribute, "cuDeviceGetAttribute");
+    sym(h.error_string, "cuGetErrorString");
+    return h;
+  }();
+  return d;
+}
+
+void check_cu(CUresult err, const char* what) {
+  if (err == CUDA_SUCCESS) return;
+  const char* s = nullptr;
+  driver().error_string(err, &s);
+  TORCH_CHECK(false, msg(what, ": ", s ? s : "unknown CUDA error", " (CUresult ", (int)err, ")"));
+}
+
+// --- Set by torch_sm70attn at load (init): the kernel loader, the reference route, the manifest.
+// Python objects are never freed: they must not be released without the GIL at exit.
+py::object* g_fetch = nullptr;     // torch_sm70attn.nvrtc.fetch(family, params, device) -> CUfunction
+py::object* g_fallback = nullptr;  // torch_sm70attn.ops.cuda_fallback(*paged_attention's args) -> Tensor
+
+// The capability manifest (torch_sm70attn/manifest.py, the one place it is written): the shapes a
+// call may take the kernels for. Others take the reference route, as torch_sm70attn.admit says.
+struct Bounds {
+  std::vector<int> head_dims;
+  i64 group_mask = 0, rows_mask = 0;  // bit n: n admitted (group sizes, query rows; at most 62)
+  i64 max_context = 0;
+  int min_cc = 0;
+} g_bounds;
+
+bool in_mask(i64 mask, i64 n) { return n >= 0 && n < 63 && (mask >> n & 1); }
+
+CUfunction load_kernel(const sm70attn::KernelKey& k, int device) {
+  std::string error;
+  {
+    py::gil_scoped_acquire gil;
+    TORCH_CHECK(g_fetch, "torch_sm70attn: the CUDA library was not initialised (call torch_sm70attn.ops.load_cuda_kernels())");
+    try {
+      py::tuple params(k.n);
+      for (int i = 0; i < k.n; ++i) params[i] = k.params[i];
+      const uintptr_t f = (*g_fetch)(k.family, params, device).cast<uintptr_t>();
+      TORCH_CHECK(f, msg("torch_sm70attn: the loader returned no function for ", k.family));
+      return reinterpret_cast<CUfunction>(f);
+    } catch (py::error_already_set& e) {
+      error = e.what();
+    }
+  }
+  TORCH_CHECK(false, msg(error));
+  return nullptr;
+}
+
+sm70attn::Launcher launcher(int device) {
+  return {&driver().launch, &load_kernel, device, c10::cuda::getCurrentCUDAStream(device).stream()};
+}
+
+// Per device, asked once: compute capability (10 major + minor) and SMs.
+struct DeviceInfo {
+  int cc = 0, num_sms = 0;
+};
+
+const DeviceInfo& device_info(int device) {
+  static DeviceInfo cache[sm70attn::kMaxDevices];
+  static std::once_flag once[sm70attn::kMaxDevices];
+  TORCH_CHECK(device >= 0 && device < sm70attn::kMaxDevices, msg("torch_sm70attn: device ", device, " out of range"));
+  std::call_once(once[device], [&] {
+    int major = 0, minor = 0;
+    DeviceInfo& d = cache[device];
+    check_cu(driver().attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device), "cuDeviceGetAttribute");
+    check_cu(driver().attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device), "cuDeviceGetAttribute");
+    check_cu(driver().attribute(&d.num_sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device), "cuDeviceGetAttribute");
+    d.cc = 10 * major + minor;
+  });
+  return cache[device];
+}
+
+int device_attribute(int device, CUdevice_attribute a) {
+  int v = 0;
+  check_cu(driver().attribute(&v, a, device), "cuDeviceGetAttribute");
+  return v;
+}
+
 // Names of the kernel kinds, by sm70attn::AttnKind (set_kernel_override takes them, plan() reports them).
 constexpr const char* kKindNames[] = {"wmma", "rf-m8n8k4", "rf-m16n8k16"};
-
-// Compute capability of a device as 10 major + minor, cached: every call's plan reads it.
-int device_cc(int device) {
-  static std::atomic<int> cache[64];  // 0: not yet asked
-  std::atomic<int>* c = device >= 0 && device < 64 ? &cache[device] : nullptr;
-  int cc = c ? c->load(std::memory_order_relaxed) : 0;
-  if (cc == 0) {
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    cc = 10 * major + minor;
-    if (c) c->store(cc, std::memory_order_relaxed);
-  }
-  return cc;
-}
 
 // The attention kernel kind of a call (sm70attn::attn_default_kind), or the one
 // set_kernel_override forces where it applies (tests and A/B runs). Shapes outside
 // attn_uses_rf have the WMMA kernel only.
 int kernel_kind(int device, int d, int mb, i64 capacity) {
   if (!sm70attn::attn_uses_rf(d, mb)) return sm70attn::ATTN_WMMA;
-  const int cc = device_cc(device), forced = g_kernel.load();
+  const int cc = device_info(device).cc, forced = g_kernel.load();
   if (forced < 0) return sm70attn::attn_default_kind(d, mb, cc, capacity);
   TORCH_CHECK_VALUE(forced != sm70attn::ATTN_RF_M16N8K16 || cc >= 80,
                     msg("paged_attention: set_kernel_override('rf-m16n8k16') needs SM80 or newer, device ", device,
@@ -127,15 +217,17 @@ int kernel_kind(int device, int d, int mb, i64 capacity) {
   return forced;
 }
 
-// sm70attn::attn_ctas_per_sm, cached per (device, kind, D, mb, vec): the query costs microseconds.
-int ctas_per_sm(int device, int kind, int d, int mb, int vec) {
-  static std::atomic<int> cache[64][3][3][9][2];  // 0: not yet asked
-  if (device < 0 || device >= 64 || kind < 0 || kind > 2 || mb < 1 || mb > 8 || (d != 64 && d != 128 && d != 256))
-    return sm70attn::attn_ctas_per_sm(kind, d, mb, vec);
+// sm70attn::attn_ctas_per_sm, cached per (device, kind, D, mb, vec): the query loads the kernel.
+int ctas_per_sm(const sm70attn::Launcher& l, int kind, int d, int mb, int vec) {
+  static std::atomic<int> cache[sm70attn::kMaxDevices][3][3][9][2];  // 0: not yet asked
+  const int device = l.device;
+  if (device < 0 || device >= sm70attn::kMaxDevices || kind < 0 || kind > 2 || mb < 1 || mb > 8 ||
+      (d != 64 && d != 128 && d != 256))
+    return sm70attn::attn_ctas_per_sm(l, kind, d, mb, vec);
   std::atomic<int>& c = cache[device][kind][d == 64 ? 0 : d == 128 ? 1 : 2][mb][vec == 16];
   int n = c.load(std::memory_order_relaxed);
   if (n == 0) {
-    n = std::max(sm70attn::attn_ctas_per_sm(kind, d, mb, vec), 1);
+    n = std::max(sm70attn::attn_ctas_per_sm(l, kind, d, mb, vec), 1);
     c.store(n, std::memory_order_relaxed);
   }
   return n;
@@ -148,28 +240,28 @@ struct CallPlan {
   int kind = 0, num_sms = 0, ctas_per_sm = 0, smem_bytes = 0;
 };
 
-CallPlan plan_call(int device, i64 B, i64 H_q, i64 H_kv, i64 Q, i64 D, i64 capacity, int vec) {
+CallPlan plan_call(const sm70attn::Launcher& l, i64 B, i64 H_q, i64 H_kv, i64 Q, i64 D, i64 capacity, int vec) {
   CallPlan c;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&c.num_sms, cudaDevAttrMultiProcessorCount, device));
+  const int device = l.device;
+  c.num_sms = device_info(device).num_sms;
   // (set the override while no other thread launches: the two values are read separately)
   if (const int sms = g_plan_sms.load(); sms > 0) c.num_sms = sms;
   // Splits follow the kernel's occupancy on this device (a property of (D, mb, vec), the kind and the GPU
   // only: the plan stays independent of B and of seq_lens values).
   const int mb = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D, capacity, c.num_sms).mb;
   c.kind = kernel_kind(device, (int)D, mb, capacity);
-  c.ctas_per_sm = ctas_per_sm(device, c.kind, (int)D, mb, vec);
+  c.ctas_per_sm = ctas_per_sm(l, c.kind, (int)D, mb, vec);
   if (const int sm_smem = g_plan_sm_smem.load(); sm_smem > 0) {
     // As many CTAs as sm_smem holds, and a padded launch so that this device holds no more.
     const int own = sm70attn::attn_smem_bytes(c.kind, (int)D, mb, vec);
     TORCH_CHECK_VALUE(sm_smem >= own, msg("set_plan_override: sm_smem_bytes = ", sm_smem,
                       " holds no CTA of the D = ", D, " kernel (", own, " bytes of shared memory); a V100 has 98304"));
-    int dev_smem = 0, reserved = 0, optin = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&dev_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    const int dev_smem = device_attribute(device, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR);
+    const int reserved = device_attribute(device, CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK);
+    const int optin = device_attribute(device, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN);
     const int want = std::max(1, std::min(c.ctas_per_sm, sm_smem / std::max(own, 1)));
     c.smem_bytes = std::max(own, std::min(optin, dev_smem / want - reserved));
-    c.ctas_per_sm = std::max(1, sm70attn::attn_ctas_per_sm(c.kind, (int)D, mb, vec, c.smem_bytes));
+    c.ctas_per_sm = std::max(1, sm70attn::attn_ctas_per_sm(l, c.kind, (int)D, mb, vec, c.smem_bytes));
   }
   c.plan = sm70attn::plan_paged_attention((int)B, (int)H_q, (int)H_kv, (int)Q, (int)D, capacity, c.num_sms,
                                           c.ctas_per_sm);
@@ -232,36 +324,39 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   const int ks_stride = scale_stride(k_scale, H_kv, query, "k_scale");
   const int vs_stride = scale_stride(v_scale, H_kv, query, "v_scale");
 
-  // Shapes the kernels are built for.
-  const i64 G = H_q / H_kv;
-  TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 256, msg("head dim ", D, " is not supported (64, 128, 256)"));
-  TORCH_CHECK_VALUE(G >= 1 && G <= 8, msg("group size H_q / H_kv = ", G, " is not supported (1..8)"));
-  TORCH_CHECK_VALUE(Q >= 1 && Q <= 16, msg("query rows Q = ", Q, " is not supported (1..16)"));
-  // The kernel's token arithmetic is int32, with headroom for a split's rounding (len + splits - 1,
-  // t + N): capacity stays 1024 below INT_MAX.
-  const i64 capacity = max_pages * page_size, max_capacity = (i64)INT_MAX - 1024;
-  TORCH_CHECK_VALUE(capacity <= max_capacity && P <= INT_MAX,
-                    msg("capacity (max_pages * page_size = ", capacity, ") must be at most ", max_capacity,
-                        " and num_pages (", P, ") must fit in int32"));
-
-  // 16-byte KV loads when every row start is 16-byte aligned, else 8-byte loads.
+  // The route: shapes the manifest does not admit, and caches not 8-byte aligned (the kernels'
+  // narrowest loads), run the reference (torch_sm70attn.admit gives the reason, and warns once).
+  const i64 G = H_q / H_kv, capacity = max_pages * page_size;
+  const i64 admitted_capacity = (g_bounds.max_context + page_size - 1) / std::max<i64>(page_size, 1) * page_size;
   auto kv_aligned = [&](i64 a) {
     return ptr_aligned(key_cache, a) && ptr_aligned(value_cache, a) && strides_aligned(key_cache, 3, a) &&
            strides_aligned(value_cache, 3, a);
   };
-  const int vec = kv_aligned(16) ? 16 : 8;
-  TORCH_CHECK_VALUE(vec == 16 || kv_aligned(8), msg("key_cache/value_cache rows must be 8-byte aligned (data_ptr ",
-                    "and strides of dims 0..2), got strides ", key_cache.strides(), " and ", value_cache.strides()));
+  const bool admitted =
+      std::find(g_bounds.head_dims.begin(), g_bounds.head_dims.end(), D) != g_bounds.head_dims.end() &&
+      in_mask(g_bounds.group_mask, G) && in_mask(g_bounds.rows_mask, Q) && capacity <= admitted_capacity &&
+      kv_aligned(8) && device_info(query.get_device()).cc >= g_bounds.min_cc;
+  if (!admitted) {
+    TORCH_CHECK(g_fallback, "torch_sm70attn: the CUDA library was not initialised");
+    py::gil_scoped_acquire gil;
+    return (*g_fallback)(query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale)
+        .cast<at::Tensor>();
+  }
+  // (the kernels' token arithmetic is int32: the manifest's contexts are far below INT_MAX)
+  TORCH_CHECK_VALUE(P <= INT_MAX, msg("num_pages (", P, ") must fit in int32"));
+  const int vec = kv_aligned(16) ? 16 : 8;  // 16-byte KV loads when every row start allows them
 
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor out = at::empty({B, H_q, Q, D}, query.options());
   if (B == 0 || H_q == 0) return out;
+  const int device = query.get_device();
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device);
 
-  if (g_validate.load() &&
-      c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None)
+  if (g_validate.load() && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None)
     validate_lengths_and_pages(seq_lens, block_table, page_size, capacity, P);
 
-  const CallPlan call = plan_call(query.get_device(), B, H_q, H_kv, Q, D, capacity, vec);
+  const sm70attn::Launcher l{&driver().launch, &load_kernel, device, stream.stream()};
+  const CallPlan call = plan_call(l, B, H_q, H_kv, Q, D, capacity, vec);
   const sm70attn::AttnPlan& plan = call.plan;
   TORCH_CHECK_VALUE(B * H_kv * plan.row_groups <= INT_MAX && B * H_q * Q <= INT_MAX, msg("batch B = ", B,
                     " is too large for the launch grid"));
@@ -291,10 +386,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   p.scale_log2 = (float)(scale * 1.4426950408889634);  // log2(e)
   p.q_vec16 = ptr_aligned(query, 16) && strides_aligned(query, 3, 8);
   sm70attn::set_workspace(p, plan.workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr);
-
-  C10_CUDA_CHECK(sm70attn::launch_paged_attention(p, call.kind, plan.mb, vec, c10::cuda::getCurrentCUDAStream(),
-                                                  call.smem_bytes));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  check_cu(sm70attn::launch_paged_attention(l, p, call.kind, plan.mb, vec, call.smem_bytes), "paged_attention launch");
   return out;
 }
 
@@ -359,13 +451,21 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
            strides_aligned(key_cache, 3, 8) && strides_aligned(value_cache, 3, 8);
 
   const c10::cuda::CUDAGuard guard(key.device());
-  sm70attn::launch_store_kv(p, c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int device = key.get_device();
+  const sm70attn::Launcher l{&driver().launch, &load_kernel, device, c10::cuda::getCurrentCUDAStream(device).stream()};
+  check_cu(sm70attn::launch_store_kv(l, p), "store_kv launch");
 }
 
 // Test hook (mma_atom_check): D = A B + C through one MMA atom and its element maps.
-template <class At>
+// Its operands' shapes, from the atom (csrc/sm70attn/mma_atoms.h: device code, not included here).
+template <int SHAPE>
+struct Atom {
+  static constexpr int GROUPS = SHAPE == 16816 ? 1 : 4, M = SHAPE == 16816 ? 16 : 8, N = 8, K = SHAPE == 16816 ? 16 : 4;
+};
+
+template <int SHAPE>
 at::Tensor mma_atom_check_t(const at::Tensor& A, const at::Tensor& B, const at::Tensor& C) {
+  using At = Atom<SHAPE>;
   const std::vector<int64_t> sa{At::GROUPS, At::M, At::K}, sb{At::GROUPS, At::K, At::N}, sc{At::GROUPS, At::M, At::N};
   TORCH_CHECK_VALUE(A.is_cuda() && B.is_cuda() && C.is_cuda() && A.device() == B.device() && A.device() == C.device(),
                     "mma_atom_check: A, B and C must be on one CUDA device");
@@ -378,24 +478,25 @@ at::Tensor mma_atom_check_t(const at::Tensor& A, const at::Tensor& B, const at::
   const c10::cuda::CUDAGuard guard(A.device());
   at::Tensor D = at::empty_like(C);
   D.fill_(std::nanf(""));  // poisoned: an element no lane writes stays NaN
-  sm70attn::mma_check_kernel<At><<<1, 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const __half*>(A.data_ptr<at::Half>()), reinterpret_cast<const __half*>(B.data_ptr<at::Half>()),
-      C.data_ptr<float>(), D.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const sm70attn::Launcher l = launcher(A.get_device());
+  using K = sm70attn::MmaCheckKernel<SHAPE>;
+  CUfunction f = nullptr;
+  check_cu(sm70attn::function<K>(l, &f), "mma_atom_check");
+  const void *a = A.data_ptr(), *b = B.data_ptr(), *c = C.data_ptr();
+  void* d = D.data_ptr();
+  void* args[] = {&a, &b, &c, &d};
+  check_cu(l.drv->launch(f, 1, 1, 1, K::THREADS, 1, 1, 0, l.stream, args, nullptr), "mma_atom_check launch");
   return D;
 }
 
 at::Tensor mma_atom_check(int64_t shape, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C) {
   TORCH_CHECK_VALUE(shape == 884 || shape == 8844 || shape == 16816,
                     "mma_atom_check: shape 884 (m8n8k4), 8844 (m8n8k4 with B row-major) or 16816 (m16n8k16)");
-  if (shape == 884) return mma_atom_check_t<sm70attn::MmaM8N8K4>(A, B, C);
-  if (shape == 8844) return mma_atom_check_t<sm70attn::MmaM8N8K4RowRow>(A, B, C);
+  if (shape == 884) return mma_atom_check_t<884>(A, B, C);
+  if (shape == 8844) return mma_atom_check_t<8844>(A, B, C);
   TORCH_CHECK_VALUE(A.is_cuda(), "mma_atom_check: A, B and C must be on one CUDA device");
-  const c10::cuda::CUDAGuard guard(A.device());
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, A.get_device()));
-  TORCH_CHECK_VALUE(major >= 8, "mma_atom_check: m16n8k16 needs SM80 or newer");
-  return mma_atom_check_t<sm70attn::MmaM16N8K16>(A, B, C);
+  TORCH_CHECK_VALUE(device_info(A.get_device()).cc >= 80, "mma_atom_check: m16n8k16 needs SM80 or newer");
+  return mma_atom_check_t<16816>(A, B, C);
 }
 
 }  // namespace
@@ -414,6 +515,37 @@ TORCH_LIBRARY_IMPL(sm70attn, CUDA, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("digest", [] { return std::string(SM70ATTN_STR(SM70ATTN_DIGEST)); }, "source digest this library was built from");
+  m.def("init", [](py::object fetch, py::object fallback, std::vector<int> head_dims, std::vector<int> group_sizes,
+                   std::vector<int> query_rows, int64_t max_context, int min_cc) {
+          Bounds b;
+          for (int d : head_dims) {  // every head dim the manifest admits has its kernels
+            for (int mb = 1; mb <= sm70attn::attn_max_row_blocks(d); ++mb)
+              for (int vec : {8, 16})
+                TORCH_CHECK(sm70attn::attn_switch(d, mb, vec, [](auto) {}),
+                            msg("torch_sm70attn: the manifest admits head dim ", d, " but static_switch.h lists no "
+                                "attention kernel for MB ", mb, " VEC ", vec));
+            for (int splits : {1, 16, 64, sm70attn::attn_max_splits()})
+              TORCH_CHECK(sm70attn::combine_switch(d, splits, [](auto) {}),
+                          msg("torch_sm70attn: no combine kernel for head dim ", d));
+          }
+          for (int g : group_sizes) {
+            TORCH_CHECK(g > 0 && g < 63, "init: group sizes in [1, 62]");
+            b.group_mask |= 1ll << g;
+          }
+          for (int q : query_rows) {
+            TORCH_CHECK(q > 0 && q < 63, "init: query rows in [1, 62]");
+            b.rows_mask |= 1ll << q;
+          }
+          TORCH_CHECK(max_context > 0 && max_context <= INT_MAX / 2, "init: max_context out of range");
+          b.head_dims = head_dims, b.max_context = max_context, b.min_cc = min_cc;
+          g_bounds = b;
+          if (!g_fetch) g_fetch = new py::object();
+          if (!g_fallback) g_fallback = new py::object();
+          *g_fetch = fetch, *g_fallback = fallback;
+        },
+        "called once by torch_sm70attn.ops.load_cuda_kernels: the kernel loader, the reference route and the "
+        "capability manifest's bounds", py::arg("fetch"), py::arg("fallback"), py::arg("head_dims"),
+        py::arg("group_sizes"), py::arg("query_rows"), py::arg("max_context"), py::arg("min_cc"));
   m.def("set_validate", [](bool on) { g_validate.store(on); },
         "host-side checks of seq_lens and block_table in paged_attention (syncs; skipped while capturing)");
   m.def("set_plan_override", [](int num_sms, int sm_smem_bytes) {
@@ -430,9 +562,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           TORCH_CHECK_VALUE(k != -2, msg("set_kernel_override: kind must be auto, wmma, rf-m8n8k4 or rf-m16n8k16, got '",
                             kind, "'"));
           if (k == sm70attn::ATTN_RF_M16N8K16) {  // (checked again at each call, on its device)
-            int device = 0;
-            C10_CUDA_CHECK(cudaGetDevice(&device));
-            const int cc = device_cc(device);
+            const int device = c10::cuda::current_device();
+            const int cc = device_info(device).cc;
             TORCH_CHECK_VALUE(cc >= 80, msg("set_kernel_override: 'rf-m16n8k16' needs SM80 or newer, the current "
                                             "device ", device, " is SM", cc));
           }
@@ -443,12 +574,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rf-m8n8k4 for CTAs of 33-48 rows from 64K tokens on a V100, SM 7.0, else wmma); "
         "set it while no other thread launches", pybind11::arg("kind"));
   m.def("plan", [](int64_t B, int64_t H_q, int64_t H_kv, int64_t Q, int64_t D, int64_t capacity, int vec, int device) {
-          TORCH_CHECK_VALUE(B >= 1 && H_kv >= 1 && H_q >= H_kv && H_q % H_kv == 0 && H_q / H_kv <= 8 && Q >= 1 &&
-                            Q <= 16 && capacity >= 0 && capacity <= (int64_t)INT_MAX - 1024 && (vec == 8 || vec == 16) &&
-                            (D == 64 || D == 128 || D == 256),
-                            "plan: not a shape paged_attention takes");
+          TORCH_CHECK_VALUE(B >= 1 && H_kv >= 1 && H_q >= H_kv && H_q % H_kv == 0 && in_mask(g_bounds.group_mask, H_q / H_kv) &&
+                            in_mask(g_bounds.rows_mask, Q) && capacity >= 0 && capacity <= (int64_t)INT_MAX - 1024 &&
+                            (vec == 8 || vec == 16) &&
+                            std::find(g_bounds.head_dims.begin(), g_bounds.head_dims.end(), D) != g_bounds.head_dims.end(),
+                            "plan: not a shape paged_attention takes to its kernels");
           const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
-          const CallPlan c = plan_call(device, B, H_q, H_kv, Q, D, capacity, vec);
+          const CallPlan c = plan_call(launcher(device), B, H_q, H_kv, Q, D, capacity, vec);
           pybind11::dict d;
           d["mb"] = c.plan.mb, d["row_groups"] = c.plan.row_groups, d["num_splits"] = c.plan.num_splits;
           d["num_sms"] = c.num_sms, d["ctas_per_sm"] = c.ctas_per_sm;
