@@ -108,6 +108,8 @@ struct HostDriver {
   sm70attn::Driver launch;
   decltype(&::cuDeviceGetAttribute) attribute = nullptr;
   decltype(&::cuGetErrorString) error_string = nullptr;
+  decltype(&::cuModuleLoadData) load_module = nullptr;
+  decltype(&::cuModuleGetFunction) get_function = nullptr;
 };
 
 const HostDriver& driver() {
@@ -124,6 +126,8 @@ const HostDriver& driver() {
     sym(h.launch.occupancy, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
     sym(h.attribute, "cuDeviceGetAttribute");
     sym(h.error_string, "cuGetErrorString");
+    sym(h.load_module, "cuModuleLoadData");
+    sym(h.get_function, "cuModuleGetFunction");
     return h;
   }();
   return d;
@@ -138,7 +142,7 @@ void check_cu(CUresult err, const char* what) {
 
 // --- Set by torch_sm70attn at load (init): the kernel loader, the reference route, the manifest.
 // Python objects are never freed: they must not be released without the GIL at exit.
-py::object* g_fetch = nullptr;     // torch_sm70attn.nvrtc.fetch(family, params, device) -> CUfunction
+py::object* g_fetch = nullptr;     // torch_sm70attn.nvrtc.fetch(family, params, device) -> (cubin, symbol)
 py::object* g_fallback = nullptr;  // torch_sm70attn.ops.cuda_fallback(*paged_attention's args) -> Tensor
 
 // The capability manifest (torch_sm70attn/manifest.py, the one place it is written): the shapes a
@@ -152,23 +156,34 @@ struct Bounds {
 
 bool in_mask(i64 mask, i64 n) { return n >= 0 && n < 63 && (mask >> n & 1); }
 
+// The loader: the kernel's cubin (compiled by NVRTC at its first use, or from the disk cache)
+// from torch_sm70attn.nvrtc.fetch, loaded here into the device's context (current: the callers
+// hold a device guard). Modules stay loaded for the life of the process. The driver is called
+// from here, not through cuda-bindings, whose first use probes dozens of entry points this
+// driver may lack: each is a failed API call under compute-sanitizer.
 CUfunction load_kernel(const sm70attn::KernelKey& k, int device) {
-  std::string error;
+  std::string error, cubin, symbol;
   {
     py::gil_scoped_acquire gil;
     TORCH_CHECK(g_fetch, "torch_sm70attn: the CUDA library was not initialised (call torch_sm70attn.ops.load_cuda_kernels())");
     try {
       py::tuple params(k.n);
       for (int i = 0; i < k.n; ++i) params[i] = k.params[i];
-      const uintptr_t f = (*g_fetch)(k.family, params, device).cast<uintptr_t>();
-      TORCH_CHECK(f, msg("torch_sm70attn: the loader returned no function for ", k.family));
-      return reinterpret_cast<CUfunction>(f);
+      const py::tuple got = (*g_fetch)(k.family, params, device);
+      cubin = got[0].cast<std::string>(), symbol = got[1].cast<std::string>();
     } catch (py::error_already_set& e) {
       error = e.what();
     }
   }
-  TORCH_CHECK(false, msg(error));
-  return nullptr;
+  TORCH_CHECK(error.empty(), msg(error));
+  CUmodule module = nullptr;
+  CUfunction f = nullptr;
+  CUresult err = driver().load_module(&module, cubin.data());
+  if (err == CUDA_SUCCESS) err = driver().get_function(&f, module, symbol.c_str());
+  if (err != CUDA_SUCCESS && c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None)
+    check_cu(err, msg("loading ", k.family, " inside a CUDA graph capture (make the same call once before capturing)").c_str());
+  check_cu(err, msg("loading ", k.family, " (", symbol, ")").c_str());
+  return f;
 }
 
 sm70attn::Launcher launcher(int device) {

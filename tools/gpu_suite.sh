@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 sanitizer=$(command -v compute-sanitizer) || { echo "compute-sanitizer not found"; exit 1; }
 toolkit=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
-unset CUDA_HOME CUDA_PATH
+unset CUDA_HOME CUDA_PATH TORCH_CUDA_ARCH_LIST  # (build: this GPU's arch, as the runtime does)
 PATH=$(printf '%s' "$PATH" | tr ':' '\n' | while read -r d; do [ -x "$d/nvcc" ] || printf '%s:' "$d"; done)
 export PATH=${PATH%:}
 if command -v nvcc >/dev/null; then echo "nvcc is still on PATH"; exit 1; fi

@@ -95,13 +95,14 @@ def _cuda_status() -> str:
 
 
 def _build_archs() -> list[str]:
-    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
-    if env.strip():
-        return nvrtc.archs_from_env(env)
+    """This machine's GPUs' architectures (what the runtime compiles for), then those of
+    TORCH_CUDA_ARCH_LIST (for another machine, e.g. sm_70 built on a CPU)."""
+    archs = []
     if torch.cuda.is_available():
         caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
-        return [nvrtc.arch_of(c) for c in sorted(caps)]
-    return []
+        archs = [nvrtc.arch_of(c) for c in sorted(caps)]
+    env = nvrtc.archs_from_env(os.environ.get("TORCH_CUDA_ARCH_LIST", ""))
+    return list(dict.fromkeys(archs + env))
 
 
 def build(args) -> int:
@@ -267,8 +268,8 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="versions, device, manifest, routes, CUDA library status")
     b = sub.add_parser(
         "build",
-        help="build the C++ binding and compile every kernel now, for TORCH_CUDA_ARCH_LIST or "
-        "this machine's GPUs (no GPU needed); sm_70 is held to the SM70 gate",
+        help="build the C++ binding and compile every kernel now, for this machine's GPUs and "
+        "TORCH_CUDA_ARCH_LIST (no GPU needed with the latter); sm_70 is held to the SM70 gate",
     )
     b.add_argument("--jobs", type=_at_least(1), help="parallel compiles (default: the cores)")
     d = sub.add_parser(

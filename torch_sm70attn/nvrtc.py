@@ -6,8 +6,9 @@ the installed packages (never through CUDA_HOME): for CUDA 12 (torch 2.10 from P
 `nvidia-cuda-nvrtc-cu12` and `nvidia-cuda-runtime-cu12` (torch's own dependencies) and
 `nvidia-cuda-nvcc-cu12` (the `crt/` headers; its ptxas is not used), the extra `cuda12`; for CUDA
 13 `nvidia-cuda-nvrtc`, `nvidia-cuda-runtime` and `nvidia-cuda-crt`, the extra `cuda13`.
-cuda-bindings, which torch's CUDA builds depend on, drives NVRTC and loads the cubins: nothing of
-it runs on a launch (the binding keeps each kernel's CUfunction and launches it itself).
+cuda-bindings, which torch's CUDA builds depend on, drives NVRTC; the binding loads the cubins
+and launches them through the driver API (nothing of this module runs on a launch: the binding
+keeps each kernel's CUfunction).
 
 A kernel is a family and its integer parameters (`Kernel`); every one the launcher can pick is
 listed by `kernels()`, from the X-lists of csrc/sm70attn/static_switch.h, which the launcher
@@ -472,13 +473,7 @@ def gate(built: list[Compiled]) -> list[str]:
     return errors
 
 
-# --- Loading, for the binding --------------------------------------------------------------------
-_modules: dict[
-    tuple[int, Kernel], tuple[object, int]
-] = {}  # (device, kernel) -> (CUmodule, CUfunction)
-_load_lock = threading.Lock()
-
-
+# --- For the binding ------------------------------------------------------------------------------
 @functools.cache
 def device_arch(device: int) -> str:
     """The architecture NVRTC compiles for on this device; refuses a torch that cannot drive it."""
@@ -519,34 +514,18 @@ def check_torch_arch(device: int) -> None:
     )
 
 
-def fetch(family: str, params: tuple, device: int) -> int:
-    """The CUfunction (an address) of a kernel in `device`'s context, the current one: compiled
-    at its first use (or read from the cache) and loaded once per device. The binding calls this
-    for a kernel it has not launched on `device` yet."""
+def fetch(family: str, params: tuple, device: int) -> tuple[bytes, str]:
+    """(cubin, symbol) of a kernel for `device`'s architecture, compiled at its first use (or
+    read from the cache). The binding calls this for a kernel it has not loaded on `device`
+    yet, and loads it itself."""
     kernel = Kernel(family, tuple(int(p) for p in params))
     if kernel not in kernels():
         raise RuntimeError(
             f"torch_sm70attn: the binding asked for {kernel}, which static_switch.h does not list"
         )
-    with _load_lock:
-        hit = _modules.get((device, kernel))
-        if hit:
-            return hit[1]
-        from cuda.bindings import driver
-
+    with _compile_lock:  # two threads' first calls compile a kernel once
         c = cubin(kernel, device_arch(device))
-        _check(driver.cuInit(0), "cuInit")
-        try:
-            module = _check(driver.cuModuleLoadData(c.cubin), f"loading {kernel.name}")
-            fn = _check(
-                driver.cuModuleGetFunction(module, c.lowered.encode()), "cuModuleGetFunction"
-            )
-        except RuntimeError as e:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"{e}: the first use of {kernel.name} on cuda:{device} is inside a CUDA graph "
-                    "capture; make the same call once before capturing (a warm-up call)"
-                ) from None
-            raise
-        _modules[(device, kernel)] = (module, int(fn))
-        return int(fn)
+    return c.cubin, c.lowered
+
+
+_compile_lock = threading.Lock()
