@@ -13,14 +13,16 @@ cd "$(dirname "$0")/.."
 new=$PWD
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
-arch=$(python3 -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')
+# the old JIT build's target: TORCH_CUDA_ARCH_LIST as set (9.0a on the H200 image: the calibration
+# runs' code), else this GPU's
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
 in_tree() { local t=$1; shift; (cd "$t" && PYTHONPATH=$t${PYTHONPATH:+:$PYTHONPATH} "$@"); }
-(TORCH_CUDA_ARCH_LIST=${arch:0:-1}.${arch: -1} in_tree "$old" python3 -m torch_sm70attn build) >"$out/build-old.log" 2>&1 &
+(in_tree "$old" python3 -m torch_sm70attn build) >"$out/build-old.log" 2>&1 &
 in_tree "$new" python3 -m torch_sm70attn build >"$out/build-new.log" 2>&1
 wait
 tail -n 2 "$out/build-old.log" "$out/build-new.log"
 lib=$(in_tree "$old" python3 -c 'from torch_sm70attn import _jit; d = _jit.source_digest(); print(next(_jit.build_dir(d).glob(_jit.module_name(d) + "*.so")))')
-cubins=$(in_tree "$new" python3 -c "from torch_sm70attn import nvrtc; print(nvrtc.cache_dir('sm_$arch'))")
+cubins=$(in_tree "$new" python3 -c "import torch; from torch_sm70attn import nvrtc; print(nvrtc.cache_dir(nvrtc.device_arch(0)))")
 rm -rf /tmp/route_ab_sass && mkdir -p /tmp/route_ab_sass && (cd /tmp/route_ab_sass && cuobjdump -xelf all "$lib" >/dev/null)
 python3 tools/sass_diff.py /tmp/route_ab_sass "$cubins" --json "$out/sass_diff.json" >"$out/sass_diff.txt"
 tail -n 1 "$out/sass_diff.txt"
