@@ -49,12 +49,6 @@ def test_every_listed_kernel_has_one_name_and_the_manifest_its_kernels():
     assert nvrtc.Kernel("mma", (8844,)).name == "mma atom m8n8k4 row.row"
 
 
-def test_the_target_is_the_devices_own():
-    assert nvrtc.target_of((7, 0)) == "sm_70"  # a V100
-    assert nvrtc.target_of((8, 6)) == "sm_86"
-    assert nvrtc.target_of((9, 0)) == "sm_90a"  # the H200: its whole instruction set
-
-
 def test_arch_list_reads_torchs_spellings():
     assert nvrtc.archs_from_env("7.0") == ["sm_70"]
     assert nvrtc.archs_from_env(" 7.0;9.0 8.6+PTX 7.0") == ["sm_70", "sm_90", "sm_86"]

@@ -13,6 +13,9 @@ cd "$(dirname "$0")/.."
 new=$PWD
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+if compgen -G ".whl/*.whl" >/dev/null; then  # wheels the GPU machine lacks (as gpu_suite.sh)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 # the old JIT build's target: TORCH_CUDA_ARCH_LIST as set (9.0a on the H200 image: the calibration
 # runs' code), else this GPU's
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}

@@ -100,7 +100,7 @@ def _build_archs() -> list[str]:
     archs = []
     if torch.cuda.is_available():
         caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
-        archs = [nvrtc.target_of(c) for c in sorted(caps)]
+        archs = [nvrtc.arch_of(c) for c in sorted(caps)]
     env = nvrtc.archs_from_env(os.environ.get("TORCH_CUDA_ARCH_LIST", ""))
     return list(dict.fromkeys(archs + env))
 

@@ -245,17 +245,6 @@ def arch_of(capability: tuple[int, int]) -> str:
     return f"sm_{capability[0]}{capability[1]}"
 
 
-# GPUs whose architecture-specific target (sm_90a, ...) holds their whole instruction set: code
-# compiled at run time for the one device it runs on may take it. On the H200 it is also the
-# code the calibration runs of the V100 model were measured on (the nvcc build's sm_90a).
-ARCH_SPECIFIC = {(9, 0), (10, 0), (12, 0)}
-
-
-def target_of(capability: tuple[int, int]) -> str:
-    """The target NVRTC compiles for on a GPU of this capability (sm_70 on a V100)."""
-    return arch_of(capability) + ("a" if tuple(capability) in ARCH_SPECIFIC else "")
-
-
 def archs_from_env(value: str) -> list[str]:
     """TORCH_CUDA_ARCH_LIST's entries ("7.0", "7.0;9.0", "8.6+PTX", "9.0a") as sm_XY names."""
     out = []
@@ -487,9 +476,10 @@ def gate(built: list[Compiled]) -> list[str]:
 # --- For the binding ------------------------------------------------------------------------------
 @functools.cache
 def device_arch(device: int) -> str:
-    """The target NVRTC compiles for on this device; refuses a torch that cannot drive it."""
+    """The architecture NVRTC compiles for on this device (its own: sm_70 on a V100, sm_90 on
+    the H200); refuses a torch that cannot drive it."""
     check_torch_arch(device)
-    return target_of(torch.cuda.get_device_capability(device))
+    return arch_of(torch.cuda.get_device_capability(device))
 
 
 def torch_has_code_for(capability: tuple[int, int], arch_list: list[str]) -> bool:
