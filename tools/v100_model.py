@@ -77,7 +77,7 @@ NVCC_BUILD_FLAGS = [
 # Pipes: cycles one warp instruction holds its pipe, per scheduler (issue is one per cycle): V100
 # has 16 FP32, 16 INT32 lanes and 4 SFUs per scheduler and does one HMMA.884 (256 MAC) per 2
 # cycles; the H200 32 FP32, 16 INT32 lanes, 4 SFUs and about 300 MAC per clock (WMMA measured:
-# 637 TFLOP/s, DESIGN.md, 1207 MAC/clk/SM at 2 GHz).
+# 637 TFLOP/s, docs/DESIGN.md, 1207 MAC/clk/SM at 2 GHz).
 GPUS = {
     "H200": dict(
         arch="sm_90", sms=132, clock=1.80e9, bw=4.15e12, smem_sm=233472, reserved=1024,
@@ -544,7 +544,7 @@ def fit_combine(sass) -> dict:
     return dict(comb_us=(sy - slope * sx) / n * 1e6, comb_wave_cyc=slope * gpu["clock"])
 
 
-SEED_V100_MS = {  # the seed lineage's q8 kernel on a V100-SXM2, per layer call (DESIGN.md)
+SEED_V100_MS = {  # the seed lineage's q8 kernel on a V100-SXM2, per layer call (docs/DESIGN.md)
     (4, 32768): 0.471,
     (8, 32768): 0.924,
     (4, 131072): 1.643,
