@@ -357,8 +357,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
     return (*g_fallback)(query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale)
         .cast<at::Tensor>();
   }
-  // (the kernels' token arithmetic is int32: the manifest's contexts are far below INT_MAX)
-  TORCH_CHECK_VALUE(P <= INT_MAX, msg("num_pages (", P, ") must fit in int32"));
+  // The kernels' token arithmetic is int32, with headroom for a split's rounding (len + splits -
+  // 1, t + N): capacity stays 1024 below INT_MAX (only a page of billions of tokens gets here).
+  const i64 max_capacity = (i64)INT_MAX - 1024;
+  TORCH_CHECK_VALUE(capacity <= max_capacity && P <= INT_MAX,
+                    msg("capacity (max_pages * page_size = ", capacity, ") must be at most ", max_capacity,
+                        " and num_pages (", P, ") must fit in int32"));
   const int vec = kv_aligned(16) ? 16 : 8;  // 16-byte KV loads when every row start allows them
 
   const c10::cuda::CUDAGuard guard(query.device());

@@ -197,7 +197,7 @@ def load():
     if fresh:
         log.warning(
             "torch_sm70attn: building the C++ binding in %s (host compiler, once per torch "
-            "version, about a minute)...",
+            "version, about 20 s)...",
             out,
         )
     t0 = time.perf_counter()

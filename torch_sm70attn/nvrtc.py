@@ -12,7 +12,7 @@ keeps each kernel's CUfunction).
 
 A kernel is a family and its integer parameters (`Kernel`); every one the launcher can pick is
 listed by `kernels()`, from the X-lists of csrc/sm70attn/static_switch.h, which the launcher
-dispatches through. `cubin()` compiles one kernel alone (1-3 s; NVRTC releases the GIL, so
+dispatches through. `cubin()` compiles one kernel alone (0.1-1 s; NVRTC releases the GIL, so
 threads compile in parallel) and caches it on disk under the build directory of the source
 digest, one folder per architecture and NVRTC version; `fetch()` is what the binding calls for a
 kernel it has not loaded yet on a device. `gate()` holds a build to the SM70 rules (no spills, 96
@@ -388,7 +388,7 @@ def cubin(kernel: Kernel, arch: str, *, quiet: bool = False) -> Compiled:
     _jit.make_dir(out)
     if not quiet:
         log.warning(
-            "torch_sm70attn: compiling %s for %s (NVRTC %d.%d, first use of this kernel, ~1-3 s; "
+            "torch_sm70attn: compiling %s for %s (NVRTC %d.%d, first use of this kernel, about a second; "
             "cached in %s)",
             kernel.name,
             arch,
