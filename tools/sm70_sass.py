@@ -329,16 +329,16 @@ def disassemble(args):
                 )
             cmd = [nvcc[0], f"-arch={arch}", "-cubin", *nvcc[1], "-Xptxas", "-v", "-I"]
             cmd += [str(_jit.csrc_dir()), path, "-o", cubin]
-            ptxas_log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
+            log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
+            regs = max(map(int, re.findall(r"Used (\d+) registers", log)), default=None)
         else:
             c = nvrtc.compile_kernel(kernel, arch)
             with open(cubin, "wb") as f:
                 f.write(c.cubin)
-            ptxas_log = f"Used {c.info['regs']} registers"
+            regs = c.info["regs"]
         sass = subprocess.run(
             [nvdisasm, "-c", "-g", cubin], check=True, capture_output=True, text=True
         )
-    regs = [int(x) for x in re.findall(r"Used (\d+) registers", ptxas_log)]
     kernels = parse(sass.stdout)
     entry = max(kernels, key=lambda k: len(kernels[k]))  # the one entry (plus helpers, if any)
     gaps = missing(kernels[entry])
@@ -349,7 +349,7 @@ def disassemble(args):
             "one (tools/sm70_sass.py's docstring)"
         )
     r = analyse(kernels[entry])
-    r["regs"] = max(regs, default=None)
+    r["regs"] = regs
     inner = r.get("inner_loops", [])
     trips = trip_counts(arch, traits, header, [x["for"] for x in inner])
     for x, n in zip(inner, trips, strict=True):

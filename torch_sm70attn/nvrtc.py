@@ -295,7 +295,7 @@ def ptxas_info(log_text: str) -> dict:
     }
 
 
-def compile_program(source: str, arch: str, name_exprs=(), extra=(), cubin=True):
+def compile_program(source: str, arch: str, name_exprs=(), cubin=True):
     """NVRTC: (PTX, cubin or b"", {expr: lowered name}, log) of one program for `arch` (sm_XY:
     PTX and machine code; compute_XY: PTX only). RuntimeError with NVRTC's log on an error."""
     nvrtc, tk = _nvrtc(), toolkit()
@@ -307,7 +307,7 @@ def compile_program(source: str, arch: str, name_exprs=(), extra=(), cubin=True)
         for e in name_exprs:
             _check(nvrtc.nvrtcAddNameExpression(prog, e.encode()), "nvrtcAddNameExpression")
         opts = [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, f"-I{src}"]
-        opts += [f"-I{d}" for d in tk.includes] + list(extra)
+        opts += [f"-I{d}" for d in tk.includes]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         text = _log_text(nvrtc, prog)
         if int(res[0]) != 0:
@@ -332,11 +332,11 @@ def compile_program(source: str, arch: str, name_exprs=(), extra=(), cubin=True)
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def compile_kernel(kernel: Kernel, arch: str, extra=()) -> Compiled:
+def compile_kernel(kernel: Kernel, arch: str) -> Compiled:
     """Compile one kernel alone (its header and one instantiation) to a cubin for `arch`."""
     t0 = time.perf_counter()
     ptx, code, names, text = compile_program(
-        f'#include "sm70attn/{kernel.header}"\n', arch, [kernel.expr], extra
+        f'#include "sm70attn/{kernel.header}"\n', arch, [kernel.expr]
     )
     info = ptxas_info(text)
     m = re.search(r"\.maxntid\s+(\d+)", ptx)
@@ -372,9 +372,6 @@ def cached(kernel: Kernel, arch: str) -> Compiled | None:
     if meta.get("expr") != kernel.expr or len(code) != meta.get("bytes"):
         return None
     return Compiled(kernel, arch, code, meta["lowered"], meta["info"], meta["forbidden"], 0.0)
-
-
-_progress = threading.Lock()
 
 
 def cubin(kernel: Kernel, arch: str, *, quiet: bool = False) -> Compiled:
@@ -449,7 +446,8 @@ def dynamic_smem(todo: list[Kernel], arch: str) -> dict[Kernel, int]:
 def gate(built: list[Compiled]) -> list[str]:
     """The SM70 rules over a build: one entry each, no spill or stack frame, static + dynamic
     shared memory within 96 KB a block, registers x threads within the register file, no PTX
-    instruction SM70 lacks. Returns the violations, one line each."""
+    instruction SM70 lacks. Returns the violations, one line each; records each kernel's dynamic
+    shared memory in its info["smem_dyn"] (the CLI's table reads it)."""
     smem = dynamic_smem([c.kernel for c in built], built[0].arch) if built else {}
     errors = []
     for c in built:
