@@ -147,7 +147,7 @@ def test_crop_and_reset(model):
     cache = paged(model, max_batch_size=2)
     with torch.no_grad():
         model(prompt(), cache=cache)
-    assert cache.get_seq_length() == 30 and cache.get_mask_sizes(4, 0) == (256, 0)
+    assert cache.get_seq_length() == 30 and cache.get_mask_sizes(4, 0) == (4, 0)
     cache.crop(-5)
     assert cache.get_seq_length() == 25 and cache._lens.tolist() == [25]
     with pytest.raises(ValueError, match="minus the number"):
@@ -175,13 +175,13 @@ def test_equal_length_batch_matches_each_request_alone(model):
 def test_errors_say_what_to_do(model):
     ids = torch.cat([prompt(seed=6), prompt(seed=7)])
     mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding
-    with pytest.raises(ValueError, match="padding"):
+    mask[1, 5] = 0  # a hole, not left padding
+    with pytest.raises(ValueError, match="only left padding"):
         with torch.no_grad():
             model.generate(
                 ids, attention_mask=mask, cache=paged(model, max_batch_size=2), max_new_tokens=2
             )
-    with pytest.raises(RuntimeError, match="raise max_tokens"):
+    with pytest.raises(RuntimeError, match="use max_tokens >= 32; nothing was stored"):
         with torch.no_grad():
             model(prompt(), cache=hf.PagedE4M3Cache(model.config, max_tokens=16))
     with pytest.raises(ValueError, match="max_batch_size"):
@@ -227,11 +227,12 @@ def test_cache_pages_slots_and_stored_values():
         for layer in range(2):
             kw = {}
             cache.update(*kv, layer, kwargs=kw)
-            got[layer] = kw[hf.NAME]
+            assert kw[hf.NAME] == (cache, layer)
+            got[layer] = cache.store(layer, *kv, None)  # what the attention does
         return kv, got
 
     (k, _), got = step(20)  # a prompt of 20 tokens: 6 pages, 3 per request, 2 of them in use
-    kc, vc, table, lens, ks, vs, pages, fresh = got[1]
+    kc, vc, table, lens, ks, vs, pages, fresh, valid = got[1]
     assert fresh and pages == 2 and lens.tolist() == [20, 20]
     assert table.tolist() == [[0, 1, 2], [3, 4, 5]]
     assert ks.tolist() == [0.5, 0.5] and vs.shape == (2,)  # v calibrated per KV head
@@ -245,10 +246,16 @@ def test_cache_pages_slots_and_stored_values():
     want = (k[0, :, 0].float() / 0.5).to(FP8)
     assert torch.equal(cache.layers[0].keys[1, 5].view(torch.uint8), want.view(torch.uint8))
     _, got = step(11)  # 33 tokens: the 3rd page of each request
-    assert got[0][6] == 3 and got[0][3].tolist() == [33, 33]
-    with pytest.raises(RuntimeError, match="raise max_tokens"):
-        step(16)  # 49 > 48 tokens per request
+    assert got[0][6] is None and got[0][3].tolist() == [33, 33]  # pages: the prefill route's
+    with pytest.raises(RuntimeError, match="use max_tokens >= 128; nothing was stored"):
+        step(17)  # a prefill of 17 rows: 50 > 48 tokens per request, refused before storing
     assert cache.get_seq_length() == 33  # the refused step changed nothing
+    before = cache.layers[0].keys.clone()
+    step(16)  # a verify step of 16 rows (49 > 48): checked on the device, not stored
+    assert torch.equal(cache.layers[0].keys.view(torch.uint8), before.view(torch.uint8))
+    with pytest.raises(RuntimeError, match="reached 49 tokens, each of the 2 requests holds 48"):
+        cache.get_seq_length()  # the next host read raises
+    assert cache.get_seq_length() == 33  # once; the lengths stayed
 
 
 def counting_backend():

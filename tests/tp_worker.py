@@ -18,7 +18,7 @@ def main(ckpt: str, out: str) -> None:
     heads = []
 
     def spy(module, query, *args, **kwargs):  # the heads this rank's attention serves
-        heads.append((query.shape[1], kwargs[hf.NAME][0].shape[2]))
+        heads.append((query.shape[1], args[0].shape[1]))  # key [B, H_kv, Q, D]
         return hf.attention(module, query, *args, **kwargs)
 
     AttentionInterface.register(hf.NAME, spy)

@@ -4,21 +4,24 @@
 
     register()  # attn_implementation="sm70attn"
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sm70attn", dtype=torch.float16)
-    cache = PagedE4M3Cache(model.config, max_tokens=8192)
-    out = model.generate(ids, cache=cache, prompt_lookup_num_tokens=4, do_sample=False)
+    cache = PagedE4M3Cache(model.config, max_tokens=8192, max_batch_size=4)
+    cache.calibrate(model, sample_ids)  # or k_scale=/v_scale=, or kv_scales_from_checkpoint()
+    out = model.generate(ids, attention_mask=mask, cache=cache, do_sample=False)
 
 No modeling code changes. The model calls `cache.update(key, value, layer_idx, kwargs=kwargs)`
-with the same dict it then hands the attention function as `**kwargs`: `update` writes the
-new tokens with `store_kv` and puts the layer's caches, block table and lengths into that
-dict under "sm70attn". The attention function then serves up to 16 query rows (decode, and
-verification of speculative drafts) with `paged_attention`, and longer queries (a prompt, a
-chunked prefill) with SDPA over the dequantized pages; both apply the op's rule: row r of a
-request of length L sees positions 0 .. L - Q + r. The new tokens are read back from the cache
-like every other token, so a prompt, a verify step and a decode step see the same numbers,
-and speculative decoding with greedy acceptance emits exactly the greedy tokens.
+and then the attention function with the same `kwargs`: `update` puts (cache, layer) into
+them under "sm70attn", and the attention stores the new tokens with `store_kv` (it alone sees
+the padding mask) and reads the pages: up to 16 query rows (decode, and verification of
+speculative drafts) with `paged_attention`, longer queries (a prompt, a chunked prefill) with
+SDPA over the dequantized pages; both apply the op's rule: row r of a request of length L sees
+positions 0 .. L - Q + r. The new tokens are read back from the cache like every other token,
+so a prompt, a verify step and a decode step see the same stored numbers.
 
-The requests of a batch advance together (generate's batches); padding tokens inside a
-forward (left padding from a tokenizer) are refused: they would be written and attended.
+Requests of one batch have their own lengths. Left padding (a tokenizer's attention_mask with
+padding_side="left") is never stored nor attended: the mask function hands the attention the
+new tokens' columns of the mask, the pad rows get slot -1, and each request's length counts
+its real tokens only. `crop` takes one count for every request or a tensor of counts, one per
+request, so requests of one batch can accept different numbers of drafts (`speculative.py`).
 A forward keeps its state on the device, so `generate(..., compile_config=...)` and
 `torch.compile(model, fullgraph=True)` trace a decode or verify step without a graph break.
 """
@@ -26,6 +29,9 @@ A forward keeps its state on the device, so `generate(..., compile_config=...)` 
 from __future__ import annotations
 
 import math
+import re
+import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +44,10 @@ from torch_sm70attn.manifest import MANIFEST, admitted_capacity
 
 NAME = "sm70attn"  # no "flash" in it: transformers would look for a flash-attention package
 FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
 MAX_ROWS = MANIFEST.query_rows[-1]  # more query rows take the prefill route
 HEADROOM = 2.0  # calibrated scale = amax / 448 * HEADROOM: later tokens may be larger
+_warned: set[str] = set()
 
 
 def register(name: str = NAME) -> str:
@@ -59,6 +67,89 @@ def compile_config(**kw):
     return CompileConfig(**{"fullgraph": True, "backend": NAME, "mode": "reduce-overhead", **kw})
 
 
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, stacklevel=3)
+
+
+# --- scales ------------------------------------------------------------------------------------
+_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?(k|v|kv)_scale$")
+
+
+def kv_scales_from_checkpoint(path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The per-layer KV-cache scales a quantized checkpoint carries, under the names vLLM reads:
+    `model.layers.{i}.self_attn.k_scale` / `v_scale` (compressed-tensors, llm-compressor),
+    `self_attn.k_proj.k_scale` / `self_attn.v_proj.v_scale` (ModelOpt), or the older
+    `self_attn.kv_scale` for both. Each is the dequantization multiplier (x = e4m3 * scale), a
+    scalar or one per KV head. path: a folder of *.safetensors files or one file. Returns
+    (k_scales, v_scales), one float32 tensor per layer, for PagedE4M3Cache(k_scale=, v_scale=)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    found: dict[tuple[int, str], torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            for key in fh.keys():
+                m = _SCALE_NAME.search(key)
+                if m:
+                    t = fh.get_tensor(key).float().reshape(-1)
+                    for which in ("k", "v") if m[2] == "kv" else (m[2],):
+                        found[(int(m[1]), which)] = t
+    if not found:
+        raise ValueError(
+            f"no KV-cache scales in {path} ({len(files)} safetensors files; looked for "
+            "layers.N.self_attn.k_scale / v_scale, k_proj.k_scale / v_proj.v_scale, kv_scale)"
+        )
+    n = 1 + max(i for i, _ in found)
+    missing = [f"{i}.{w}_scale" for i in range(n) for w in "kv" if (i, w) not in found]
+    if missing:
+        raise ValueError(f"{path}: KV-cache scales missing for layers {', '.join(missing[:8])}")
+    return [found[(i, "k")] for i in range(n)], [found[(i, "v")] for i in range(n)]
+
+
+def _per_layer(given, layers: int, what: str) -> list:
+    """None or one scale (a float, or a tensor of 1 or H_kv values) for every layer, or a list
+    or tuple of one such per layer."""
+    if isinstance(given, (list, tuple)):
+        if len(given) != layers:
+            raise ValueError(
+                f"PagedE4M3Cache: {what} is a list of {len(given)}; a list holds one scale per "
+                f"layer ({layers}); give one scale for every layer as a float or a tensor of "
+                "1 or H_kv values"
+            )
+        return list(given)
+    return [given] * layers
+
+
+def _as_scale(given, heads: int, device) -> torch.Tensor:
+    s = torch.as_tensor(given, dtype=torch.float32, device=device).reshape(-1)
+    if s.numel() not in (1, heads):
+        raise ValueError(f"PagedE4M3Cache: a scale must have 1 or H_kv={heads} values")
+    if not bool((s > 0).all() & s.isfinite().all()):
+        raise ValueError(f"PagedE4M3Cache: scales must be finite and > 0, got {s.tolist()}")
+    return s.expand(heads).contiguous()
+
+
+def _calibrated(x: torch.Tensor, valid, headroom: float) -> torch.Tensor:
+    """amax per KV head of x [B, H, Q, D] over the real tokens / 448, times headroom."""
+    a = x.detach().abs().float()
+    if valid is not None:
+        a = a * valid[:, None, :, None]
+    amax = a.amax(dim=(0, 2, 3))
+    return torch.where(amax > 0, amax / E4M3_MAX * headroom, 1.0).contiguous()
+
+
+def _static(*tensors) -> None:
+    """Tell torch.compile these tensors keep their address (CUDA graphs read them in place).
+    Unguarded: a new cache of the same shapes reuses the compiled graph (CUDA graphs are
+    recorded again for its addresses)."""
+    if not torch.compiler.is_compiling():
+        for t in tensors:
+            torch._dynamo.mark_static_address(t, guard=False)
+
+
 # --- the cache ---------------------------------------------------------------------------------
 class _Layer(CacheLayerMixin):
     """One layer's pools and scales; the table and lengths live in the PagedE4M3Cache."""
@@ -66,9 +157,10 @@ class _Layer(CacheLayerMixin):
     is_compileable = True
     is_croppable = True
 
-    def __init__(self, cache: PagedE4M3Cache):
+    def __init__(self, cache: PagedE4M3Cache, k_scale=None, v_scale=None):
         super().__init__()
         self.cache = cache
+        self.given = (k_scale, v_scale)  # the user's, or None: calibrated at the first write
         self.k_scale = self.v_scale = None
 
     def lazy_initialization(self, key_states, value_states):
@@ -78,10 +170,16 @@ class _Layer(CacheLayerMixin):
         shape = (c.num_pages, c.page_size, H, D)
         self.keys = torch.zeros(shape, dtype=FP8, device=key_states.device)
         self.values = torch.zeros(shape, dtype=FP8, device=key_states.device)
-        self.k_scale = _scale(c.k_scale, key_states, H)
-        self.v_scale = _scale(c.v_scale, value_states, H)
-        _static(self.keys, self.values, self.k_scale, self.v_scale)
         self.is_initialized = True
+
+    def set_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """In place once they exist: a compiled graph keeps reading the same tensors."""
+        if self.k_scale is None:
+            self.k_scale, self.v_scale = k, v
+            _static(self.k_scale, self.v_scale)
+        else:
+            self.k_scale.copy_(k)
+            self.v_scale.copy_(v)
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError("PagedE4M3Cache.update writes the layers")
@@ -95,29 +193,8 @@ class _Layer(CacheLayerMixin):
     def get_max_length(self):
         return self.cache.get_max_length()
 
-    def reset(self):  # the pools stay allocated; the cache resets the lengths
+    def reset(self):  # the pools and scales stay; the cache resets the lengths
         pass
-
-
-def _static(*tensors) -> None:
-    """Tell torch.compile these tensors keep their address (CUDA graphs read them in place).
-    Unguarded: a new cache of the same shapes reuses the compiled graph (CUDA graphs are
-    recorded again for its addresses)."""
-    if not torch.compiler.is_compiling():
-        for t in tensors:
-            torch._dynamo.mark_static_address(t, guard=False)
-
-
-def _scale(given, x: torch.Tensor, heads: int) -> torch.Tensor:
-    """float32 [H_kv] scale: given (float or tensor of 1 or H_kv), or amax per head of the
-    first tokens written (x [B, H_kv, T, D]) / 448, with headroom."""
-    if given is not None:
-        s = torch.as_tensor(given, dtype=torch.float32, device=x.device).reshape(-1)
-        if s.numel() not in (1, heads):
-            raise ValueError(f"PagedE4M3Cache: a scale must have 1 or H_kv={heads} values")
-        return s.expand(heads).contiguous()
-    amax = x.detach().abs().float().amax(dim=(0, 2, 3))
-    return torch.where(amax > 0, amax / 448.0 * HEADROOM, 1.0).contiguous()
 
 
 class PagedE4M3Cache(Cache):
@@ -127,20 +204,27 @@ class PagedE4M3Cache(Cache):
     config: the model's config (its layer count). max_tokens: the token budget of the batch;
     every layer has max_tokens / page_size pages of [page_size, H_kv, D], H_kv and D taken
     from the first tokens stored (under tensor parallelism, the rank's own KV heads).
-    max_batch_size: the largest batch. The first forward (the prompt) of a batch of B requests
-    gives each request max_tokens / B tokens of pages. k_scale / v_scale: a float, or a
-    per-KV-head list or tensor, applied to every layer; None calibrates each layer's scales
-    per KV head from the first tokens it stores (amax / 448, with 2x headroom; larger values
-    saturate at 448).
+    max_batch_size: the largest batch. A batch of B requests gives each request max_tokens / B
+    tokens of pages (its table's capacity; a request's results equal it alone when the
+    capacity is the same). reserve: tokens each request will add after its prompt
+    (max_new_tokens, plus the drafts of a verify step): the prompt is refused before anything
+    is stored if a request's prompt + reserve does not fit, with the max_tokens it needs.
 
-    State on the device: the block table (fixed once the batch is known) and the lengths
-    [B] int32, advanced in place by each forward and moved back by `crop`; a forward reads
-    nothing from the host, so a compiled decode or verify step has no graph break and replays
-    as a CUDA graph. The host keeps a copy of the length between eager steps (no device sync
-    to read it); after compiled steps `get_seq_length()` reads it back once. An eager forward
-    past a request's pages raises; a compiled one cannot check, and indexing past the table
-    stops the GPU with a device-side assert: size max_tokens for the prompt, the new tokens
-    and the drafts of every request.
+    Scales (k_scale, v_scale): a float, or a tensor of H_kv values, for every layer; or a list
+    of one such per layer (`kv_scales_from_checkpoint` reads a quantized checkpoint's); or None
+    (the default): each layer calibrates per KV head from the first tokens it stores (amax /
+    448 with 2x headroom), which makes the scales, and so every request's tokens, depend on
+    the first batch. `calibrate(model, sample_ids)` sets them from a sample instead. `reset()`
+    keeps the scales (and the pools); only the lengths go. Values beyond 448 x scale saturate:
+    the prompt and prefill forwards (more than 16 rows, eager) count them (`saturated`) and
+    warn once with the fraction.
+
+    State on the device: the block table (fixed once the batch is known), the lengths [B]
+    int32 and an overflow flag; a forward reads nothing from the host, so a compiled decode or
+    verify step has no graph break and replays as a CUDA graph. A decode or verify step past a
+    request's pages (eager or compiled) stores nothing out of bounds: the flag records it and
+    the next eager forward, `get_seq_length()` or `check()` raises. A prompt or prefill forward
+    (eager) checks before it stores.
     """
 
     def __init__(
@@ -151,55 +235,154 @@ class PagedE4M3Cache(Cache):
         page_size: int = 16,
         k_scale=None,
         v_scale=None,
+        reserve: int = 0,
     ):
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-        if page_size < 1 or max_tokens < page_size or max_batch_size < 1:
+        if page_size < 1 or max_tokens < page_size or max_batch_size < 1 or reserve < 0:
             raise ValueError(
-                "PagedE4M3Cache: need page_size >= 1, max_tokens >= page_size, a batch >= 1"
+                "PagedE4M3Cache: need page_size >= 1, max_tokens >= page_size, a batch >= 1 "
+                "and reserve >= 0"
             )
-        self.page_size, self._max_batch = page_size, max_batch_size
+        self.page_size, self._max_batch, self.reserve = page_size, max_batch_size, reserve
         self.num_pages = math.ceil(max_tokens / page_size)
-        self.k_scale, self.v_scale = k_scale, v_scale
-        super().__init__(layers=[_Layer(self) for _ in range(cfg.num_hidden_layers)])
+        n = cfg.num_hidden_layers
+        ks, vs = _per_layer(k_scale, n, "k_scale"), _per_layer(v_scale, n, "v_scale")
+        super().__init__(layers=[_Layer(self, ks[i], vs[i]) for i in range(n)])
+        self._config = cfg  # for the attention implementation in error messages
         self._table = self._lens = None  # device [B, pages] int32 and [B] int32
-        self._len = 0  # host copy of the length; None after a compiled step moved it
+        self._over = self._over_host = None  # device [1] int32: the largest length refused
+        self._pending = None  # the layer whose attention has not read the cache yet
+        self._calibrate = None  # headroom while calibrate() runs
+        self.saturated = [0, 0]  # K and V values stored at +-448 by prompt forwards, of
+        self.counted = 0  # this many values each
+        self._warned = False
 
+    # -- lengths ---------------------------------------------------------------------------------
     def reset(self):
-        """Empty every request (the pools, table and their addresses stay)."""
+        """Empty every request (the pools, scales, table and their addresses stay)."""
         if self._lens is not None:
             self._lens.zero_()
-        self._len = 0
+            self._over.zero_()
+            self._full.zero_()
+            if self._over_host is not None:
+                self._over_host.zero_()
 
     def get_seq_length(self, layer_idx: int = 0):
-        """Tokens held per request: an int; a 0-d tensor while torch.compile traces."""
+        """Tokens held by the longest request: an int (a device read); a 0-d tensor while
+        torch.compile traces."""
         if self._lens is None:
             return 0
         if torch.compiler.is_compiling():
             return self._lens.max()
-        if self._len is None:
-            self._len = int(self._lens.max())
-        return self._len
+        self.check()
+        return int(self._lens.max())
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0  # unused by the sm70attn mask; no device read per step
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.num_pages * self.page_size
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_max_length(), 0  # no host state: the attention applies the rule itself
+        """The mask function gets the new tokens' columns of the padding mask (see _mask);
+        called on the host before every step by generate(), so the overflow flag is polled."""
+        self._poll()
+        return query_length, 0
 
     @property
     def is_linear(self) -> list[bool]:
         return [False] * len(self.layers)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last -tokens_to_remove tokens of every request (rejected drafts); the next
-        tokens are written over them."""
+    def capacity(self) -> int:
+        """Tokens each request of the current batch can hold (0 before the first forward)."""
+        return 0 if self._table is None else self._table.shape[1] * self.page_size
+
+    def check(self) -> None:
+        """Raise if a step went past a request's pages (reads the device)."""
+        if self._over is not None and not torch.compiler.is_compiling():
+            self._raise_full(int(self._over.item()))
+
+    def _poll(self) -> None:
+        """Check the overflow flag without waiting for the GPU: read the copy made at the
+        previous poll (complete once the host has synchronized since, as generate() does every
+        step), then start the next copy."""
+        if self._over is None or torch.compiler.is_compiling():
+            return
+        if not self._over.is_cuda:
+            return self.check()
+        if self._over_host is None:
+            self._over_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._raise_full(int(self._over_host[0]))
+        self._over_host.copy_(self._over, non_blocking=True)
+
+    def _raise_full(self, wanted: int) -> None:
+        if wanted:
+            cap, B = self.capacity(), self._table.shape[0]
+            self._over.zero_()
+            raise RuntimeError(
+                f"PagedE4M3Cache is full: a request reached {wanted} tokens, each of the {B} "
+                f"requests holds {cap} (max_tokens={self.num_pages * self.page_size} / batch); "
+                f"that step's tokens were not stored. Use max_tokens >= {B} x (prompt + "
+                "max_new_tokens + drafts), rounded up to pages, and cache.reset()"
+            )
+
+    def crop(self, tokens_to_remove) -> None:
+        """Remove the last tokens of each request (rejected drafts); the next tokens are
+        written over them. tokens_to_remove: minus the count for every request (an int <= 0,
+        transformers' convention), or an integer tensor [B] of minus the count per request."""
+        if torch.is_tensor(tokens_to_remove):
+            if self._lens is None:
+                raise ValueError("PagedE4M3Cache.crop: the cache holds no batch yet")
+            n = tokens_to_remove.to(device=self._lens.device, dtype=torch.int32)
+            if n.shape != self._lens.shape:
+                raise ValueError(
+                    f"PagedE4M3Cache.crop: {tuple(n.shape)} counts for {self._lens.shape[0]} "
+                    "requests"
+                )
+            if not torch.compiler.is_compiling() and bool((n > 0).any()):
+                raise ValueError("crop takes minus the number of tokens to remove (<= 0)")
+            self._lens.add_(n).clamp_(min=0)
+            return
         if tokens_to_remove > 0:
             raise ValueError("crop takes minus the number of tokens to remove (transformers 5)")
         if tokens_to_remove and self._lens is not None:
             self._lens.sub_(-tokens_to_remove).clamp_(min=0)
-            if self._len is not None:
-                self._len = max(0, self._len + tokens_to_remove)
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: request i continues beam beam_idx[i]; its pages get a copy of that
+        beam's pages in use (copies, since two beams may continue one), as DynamicCache's
+        index_select copies the whole cache."""
+        if self._lens is None:
+            return
+        beam_idx = beam_idx.to(self._lens.device)
+        pages = -(-int(self._lens.max()) // self.page_size)
+        src, dst = self._table[beam_idx, :pages].long(), self._table[:, :pages].long()
+        for layer in self.layers:
+            if layer.is_initialized:
+                for pool in (layer.keys.view(torch.uint8), layer.values.view(torch.uint8)):
+                    pool[dst] = pool[src]
+        self._lens.copy_(self._lens[beam_idx])
+
+    # -- calibration -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def calibrate(self, model, input_ids, attention_mask=None, headroom: float = HEADROOM):
+        """Set every layer's scales from one forward of a sample (its real tokens: padding is
+        left out): amax per KV head / 448 x headroom. The scales then stay, through reset(),
+        for every batch: a request's tokens no longer depend on the other requests. Returns
+        self, empty."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        self.reset()
+        self._calibrate = headroom
+        try:
+            model(input_ids, attention_mask=attention_mask, position_ids=pos, cache=self)
+        finally:
+            self._calibrate = None
+            self.reset()
+        return self
+
+    # -- a forward ----------------------------------------------------------------------------------
     def _allocate(self, B: int, device) -> None:
         """The table of a batch of B: request b owns pages b * W .. (b + 1) * W - 1."""
         if B > self._max_batch:
@@ -212,73 +395,137 @@ class PagedE4M3Cache(Cache):
             )
         # at most the capacity the kernels admit: every decode and verify step passes the whole table
         W = min(self.num_pages // B, admitted_capacity(self.page_size) // self.page_size)
+        if W < 1:
+            raise ValueError(
+                f"PagedE4M3Cache: {self.num_pages} pages for a batch of {B}: raise max_tokens"
+            )
         self._table = torch.arange(B * W, dtype=torch.int32, device=device).view(B, W)
         self._lens = torch.zeros(B, dtype=torch.int32, device=device)
-        self._len = 0
-        _static(self._table, self._lens)
+        self._over = torch.zeros(1, dtype=torch.int32, device=device)
+        self._full = torch.zeros(B, dtype=torch.bool, device=device)
+        self._over_host = None
+        _static(self._table, self._lens, self._over, self._full)
 
-    def _advance(self, B: int, Q: int, device) -> None:
-        """Layer 0 of a forward: Q new tokens for each request."""
-        t = self._table
-        if t is None or t.shape[0] != B or t.device != torch.device(device):
-            self._allocate(B, device)
-        if torch.compiler.is_compiling():
-            self._len = None  # no host read or check inside a graph: the device moves alone
+    def _prompt_checks(self, Q: int, valid) -> tuple[int, bool]:
+        """An eager forward of more than MAX_ROWS rows (a prompt, a prefill chunk): one device
+        read, then refuse what would not fit or is not left padding before anything is stored.
+        Returns (pages in use after the step, fresh: every request holds just these tokens)."""
+        self.check()
+        lens = self._lens.tolist()
+        if valid is None:
+            n = [Q] * len(lens)
         else:
-            n = self.get_seq_length() + Q
-            if n > self._table.shape[1] * self.page_size:
-                raise RuntimeError(
-                    f"PagedE4M3Cache is full: {n} tokens per request, {self._table.shape[1]} "
-                    f"pages of {self.page_size} each (max_tokens / batch): raise max_tokens"
+            if bool((valid[:, 1:] < valid[:, :-1]).any()):
+                raise ValueError(
+                    "sm70attn attention: the attention_mask has a zero after a one: only left "
+                    "padding (padding_side='left') is supported. generate() derives a mask from "
+                    "pad_token_id when none is given, so a prompt containing that token needs "
+                    "attention_mask=torch.ones_like(ids)"
                 )
-            self._len = n
-        self._lens.add_(Q)
+            n = valid.sum(1).tolist()
+        need = [a + b for a, b in zip(lens, n, strict=True)]
+        fresh = not any(lens) and all(k == Q for k in n)
+        cap, B, ps = self.capacity(), len(lens), self.page_size
+        reserve = self.reserve if not any(lens) else 0
+        if max(need) + reserve > cap:
+            want = B * ps * -(-(max(need) + reserve) // ps)
+            raise RuntimeError(
+                f"PagedE4M3Cache is full: a request needs {max(need)} tokens"
+                + (f" + reserve {reserve}" if reserve else "")
+                + f", each of the {B} requests holds {cap} (max_tokens / batch): use "
+                f"max_tokens >= {want}; nothing was stored"
+            )
+        return -(-max(need) // ps), fresh
 
-    def _inputs(self, Q: int):
-        """(slots [B * Q], pages, fresh) of the forward in progress. The op always gets the
-        whole table (it reads only the pages it reaches): its split count follows the table's
-        capacity, so eager and compiled steps must pass the same one to get the same bits.
-        `pages`, the pages in use, cuts the table for the prefill route, which gathers every
-        page it is given (None in a compiled step: no host copy of the length there); `fresh`
-        marks a prompt (every request holds just these Q tokens)."""
+    def _advance(self, Q: int, valid) -> None:
+        """Layer 0 of a forward: each request's real new tokens. Past a request's pages the
+        lengths stop at its capacity and the flag keeps the length wanted."""
+        n = Q if valid is None else valid.sum(1, dtype=torch.int32)
+        want = self._lens + n
+        full = want > self.capacity()
+        self._full.copy_(full)
+        self._over.copy_(torch.maximum(self._over, want.masked_fill(~full, 0).max()))
+        self._lens.copy_(torch.where(full, self._lens, want))  # a full request keeps its length
+
+    def _slots(self, Q: int, valid) -> torch.Tensor:
+        """slot of each new token [B * Q], after _advance; -1 for padding and for a request
+        that is full."""
         ps, table = self.page_size, self._table
         pos = self._lens.long()[:, None] - Q + torch.arange(Q, device=table.device)
-        slots = (table.gather(1, pos // ps).long() * ps + pos % ps).flatten()
-        if torch.compiler.is_compiling():
-            return slots, None, False
-        return slots, -(-self._len // ps), self._len == Q
+        skip = self._full[:, None] if valid is None else self._full[:, None] | ~valid
+        pos = pos.clamp(min=0)
+        slots = table.gather(1, pos // ps).long() * ps + pos % ps
+        return slots.masked_fill(skip, -1).flatten()
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """Store the new tokens ([B, H_kv, Q, D]) and hand the attention its paged inputs
-        through the model's kwargs; returns the new tokens (the attention reads the cache)."""
-        B, H, Q, D = key_states.shape
-        if layer_idx == 0:
-            self._advance(B, Q, key_states.device)
-        if torch.compiler.is_compiling():  # every layer computes them: no tensor kept on self
-            slots, pages, fresh = self._inputs(Q)
-        else:
-            if layer_idx == 0:
-                self._step = self._inputs(Q)
-            slots, pages, fresh = self._step
-        layer = self.layers[layer_idx]
-        if not layer.is_initialized:
-            layer.lazy_initialization(key_states, value_states)
-        sa.store_kv(
-            key_states.transpose(1, 2).reshape(B * Q, H, D).half(),
-            value_states.transpose(1, 2).reshape(B * Q, H, D).half(),
-            layer.keys,
-            layer.values,
-            slots,
-            k_scale=layer.k_scale,
-            v_scale=layer.v_scale,
-        )
+        """Hand the attention this cache and the layer through the model's kwargs; the
+        attention stores the new tokens (it sees the padding mask). Returns the new tokens."""
         attn_kwargs = kwargs.get("kwargs")
         if not isinstance(attn_kwargs, dict):
             raise TypeError(
                 "PagedE4M3Cache: the model did not pass its attention kwargs to cache.update("
                 "..., kwargs=...), so the sm70attn attention cannot find the paged cache"
             )
-        attn_kwargs[NAME] = (
+        if not torch.compiler.is_compiling():
+            if self._pending is not None:
+                self._pending = None
+                impl = getattr(self._config, "_attn_implementation", None)
+                raise RuntimeError(
+                    "PagedE4M3Cache: the model's attention did not read the cache (its "
+                    f"attn_implementation is {impl!r}, not {NAME!r}). Call "
+                    f"torch_sm70attn.integrations.transformers.register() and load the model "
+                    f"with attn_implementation={NAME!r}, or model.set_attn_implementation("
+                    f"{NAME!r}). Two models built from one config object share it: "
+                    "from_config(cfg, attn_implementation=...) writes into cfg, so give each "
+                    "model its own copy.deepcopy(cfg). Then cache.reset()"
+                )
+            self._pending = layer_idx
+        attn_kwargs[NAME] = (self, layer_idx)
+        return key_states, value_states
+
+    def store(self, layer_idx: int, key_states, value_states, valid):
+        """Store the new tokens ([B, H_kv, Q, D]; valid: bool [B, Q] or None, False for
+        padding) of one layer; returns what the attention reads: (key_cache, value_cache,
+        table, lens, k_scale, v_scale, pages, fresh, valid). `pages` (eager prefill only, else
+        None) cuts the table for the prefill route, which gathers every page it is given;
+        `fresh` marks a prompt without padding (plain causal attention there)."""
+        B, H, Q, D = key_states.shape
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            self._pending = None
+        if valid is not None and (valid.dim() != 2 or valid.shape != (B, Q)):
+            valid = None if valid.dim() != 2 else valid[:, -Q:]
+        if valid is not None:
+            valid = valid.bool()
+        if layer_idx == 0:
+            t = self._table
+            if t is None or t.shape[0] != B or t.device != key_states.device:
+                self._allocate(B, key_states.device)
+            pages, fresh = None, False
+            if not compiling:
+                self._poll()
+                if Q > MAX_ROWS:
+                    pages, fresh = self._prompt_checks(Q, valid)
+            self._advance(Q, valid)
+            if not compiling:  # every layer of an eager forward reuses them
+                self._step = (self._slots(Q, valid), pages, fresh)
+        if compiling:  # no tensor kept on self: every layer computes them
+            slots, pages, fresh = self._slots(Q, valid), None, False
+        else:
+            slots, pages, fresh = self._step
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        if self._calibrate is not None or layer.k_scale is None:
+            self._scales(layer, key_states, value_states, valid)
+        k = key_states.transpose(1, 2).reshape(B * Q, H, D).half()
+        v = value_states.transpose(1, 2).reshape(B * Q, H, D).half()
+        sa.store_kv(
+            k, v, layer.keys, layer.values, slots, k_scale=layer.k_scale, v_scale=layer.v_scale
+        )
+        if Q > MAX_ROWS and not compiling:
+            self._count(layer_idx, key_states, value_states, valid, layer)
+        return (
             layer.keys,
             layer.values,
             self._table,
@@ -287,8 +534,38 @@ class PagedE4M3Cache(Cache):
             layer.v_scale,
             pages,
             fresh,
+            valid,
         )
-        return key_states, value_states
+
+    def _scales(self, layer, key_states, value_states, valid) -> None:
+        H, dev = key_states.shape[1], key_states.device
+        gk, gv = layer.given
+        head = HEADROOM if self._calibrate is None else self._calibrate
+        k = _as_scale(gk, H, dev) if gk is not None and self._calibrate is None else None
+        v = _as_scale(gv, H, dev) if gv is not None and self._calibrate is None else None
+        layer.set_scales(
+            k if k is not None else _calibrated(key_states, valid, head),
+            v if v is not None else _calibrated(value_states, valid, head),
+        )
+
+    def _count(self, layer_idx, key_states, value_states, valid, layer) -> None:
+        """Saturated values of a prompt forward; a warning once per cache with the fraction."""
+        B, H, Q, D = key_states.shape
+        for i, (x, s) in enumerate(((key_states, layer.k_scale), (value_states, layer.v_scale))):
+            over = x.detach().float().abs() > E4M3_MAX * s.view(1, -1, 1, 1)
+            if valid is not None:
+                over &= valid[:, None, :, None]
+            self.saturated[i] += int(over.sum())
+        self.counted += H * D * (B * Q if valid is None else int(valid.sum()))
+        if layer_idx == len(self.layers) - 1 and any(self.saturated) and not self._warned:
+            self._warned = True
+            frac = [f"{s / max(self.counted, 1):.3%}" for s in self.saturated]
+            warnings.warn(
+                f"PagedE4M3Cache: {frac[0]} of the K and {frac[1]} of the V values stored so "
+                "far saturated at 448 x scale (larger than the scales allow). Calibrate on "
+                "representative text (cache.calibrate(model, ids)) or give larger scales",
+                stacklevel=4,
+            )
 
 
 # --- the attention -----------------------------------------------------------------------------
@@ -298,33 +575,54 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         raise ValueError("sm70attn attention: dropout is not supported (use model.eval())")
     paged = kwargs.get(NAME)
     if paged is None:
-        # Another cache (DynamicCache): key/value hold every position; the same rule.
-        B, Q, T = query.shape[0], query.shape[2], key.shape[2]
-        lens = torch.full((B,), T, dtype=torch.int32, device=query.device)
-        mask = sa.verifier_mask(lens, Q, T)
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True
-        )
-        return out.transpose(1, 2), None
-    kc, vc, table, lens, ks, vs, pages, fresh = paged
+        return _unpaged(query, key, value, attention_mask, scaling), None
     if query.dtype != torch.float16:
         raise TypeError(
             f"sm70attn attention needs a float16 model, got {query.dtype}: load it with "
             "dtype=torch.float16"
         )
+    cache, layer_idx = paged
+    kc, vc, table, lens, ks, vs, pages, fresh, valid = cache.store(
+        layer_idx, key, value, attention_mask
+    )
     if query.shape[2] <= MAX_ROWS:
         out = sa.paged_attention(query, kc, vc, table, lens, scale=scaling, k_scale=ks, v_scale=vs)
     else:
         table = table if pages is None else table[:, :pages]
-        out = _prefill(query, kc, vc, table, lens, scaling, ks, vs, fresh)
+        out = _prefill(query, kc, vc, table, lens, scaling, ks, vs, fresh, valid)
     return out.transpose(1, 2), None
 
 
-def _prefill(query, kc, vc, table, lens, scale, ks, vs, fresh=False):
+def _unpaged(query, key, value, padding, scale):
+    """Another cache (DynamicCache, or none): key/value hold every position; the op's rule and
+    the padding mask [B, T], SDPA. Stock attention, with a one-time warning."""
+    if not torch.compiler.is_compiling():
+        _warn_once(
+            "unpaged",
+            "sm70attn attention ran without a PagedE4M3Cache (the model's own cache, float16, "
+            "plain SDPA): pass cache=PagedE4M3Cache(model.config, max_tokens=..., "
+            "max_batch_size=...) to generate() or the forward to use the FP8 pages and the "
+            "fused kernels",
+        )
+    B, Q, T = query.shape[0], query.shape[2], key.shape[2]
+    lens = torch.full((B,), T, dtype=torch.int32, device=query.device)
+    mask = sa.verifier_mask(lens, Q, T)
+    if padding is not None and padding.dim() == 2 and padding.shape[-1] == T:
+        mask = mask & padding.bool()[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    if padding is not None:  # a row that sees nothing (padding) is 0, not NaN
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0)
+    return out.transpose(1, 2)
+
+
+def _prefill(query, kc, vc, table, lens, scale, ks, vs, fresh=False, valid=None):
     """More than 16 query rows: SDPA over the request's pages, dequantized (FP32 on the CPU,
     where half-precision SDPA is slow and rounds more), with the op's visibility rule. A fresh
     prompt (every request holds just these Q tokens) is plain causal attention over its first
-    Q positions; otherwise (a chunked prefill) the rule is a [B, 1, Q, capacity] mask."""
+    Q positions; otherwise (padding, a chunked prefill) the rule is a [B, 1, Q, capacity] mask,
+    and a row that sees nothing (left padding of a prompt) outputs 0, as in the op."""
     B, H_q, Q, D = query.shape
     H = kc.shape[2]
     dt = query.dtype if query.is_cuda else torch.float32
@@ -343,18 +641,16 @@ def _prefill(query, kc, vc, table, lens, scale, ks, vs, fresh=False):
         scale=scale,
         enable_gqa=True,
     )
+    if mask is not None:
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0)
     return out.to(query.dtype)
 
 
 def _mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):
-    """The mask function of NAME: none is built (the attention applies the op's rule); a
-    padded batch is refused, since its padding tokens would be stored and attended."""
-    if torch.compiler.is_compiling():  # a data-dependent check: eager forwards only (as
-        return None  # generate() runs the prompt, where padding would come from)
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "sm70attn attention: the batch has padding (attention_mask holds zeros); padding "
-            "tokens would be written to the cache and attended. Generate each request alone "
-            "(batch 1), or batch requests of equal length"
-        )
-    return None
+    """The mask function of NAME: no mask is built (the attention applies the op's rule); the
+    attention gets the padding mask's last kv_length columns (bool [B, kv_length]), which for a
+    PagedE4M3Cache are the new tokens (its get_mask_sizes answers q_length), so that padding
+    is neither stored nor attended; for another cache, every position's."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return attention_mask
+    return attention_mask[:, -kv_length:]

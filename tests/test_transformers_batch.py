@@ -1,0 +1,277 @@
+"""Concurrent requests of different lengths through transformers on the CPU: left-padded
+batches (each request equals itself alone), scales that do not depend on the batch, per-
+request crop and the batched speculative loop, and the holes a new user found (beam search,
+a shared config, a missing cache, the token budget)."""
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_transformers import KS, VS, QuantizedDynamicCache, counting_backend, tiny  # noqa: E402
+from transformers import AutoModelForCausalLM, CompileConfig  # noqa: E402
+
+from torch_sm70attn.integrations import speculative  # noqa: E402
+from torch_sm70attn.integrations import transformers as hf  # noqa: E402
+
+LENGTHS = (4, 40, 13, 27)  # 10x apart
+CAP = 128  # tokens of pages per request, the same alone and in a batch
+
+
+@pytest.fixture(scope="module")
+def model():
+    hf.register()
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(
+        tiny(), attn_implementation=hf.NAME, dtype=torch.float16
+    )
+
+
+def requests(lengths=LENGTHS, seed=0):
+    """Prompts with a repeated stretch (for prompt lookup), as lists of ids."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        base = torch.randint(0, 256, (max(n // 2, 2),), generator=g)
+        out.append(base.repeat(3)[:n])
+    return out
+
+
+def left_padded(prompts, pad=0):
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p) :], mask[b, T - len(p) :] = p, 1
+    return ids, mask
+
+
+def cache(model, batch=1, **kw):
+    kw = {"k_scale": KS, "v_scale": VS, **kw}
+    return hf.PagedE4M3Cache(model.config, max_tokens=batch * CAP, max_batch_size=batch, **kw)
+
+
+def gen(model, ids, c, mask=None, new=12, **kw):
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, cache=c, max_new_tokens=new, do_sample=False, **kw
+        )
+    return out[:, ids.shape[1] :]
+
+
+def test_left_padded_batch_equals_each_request_alone(model):
+    prompts = requests()
+    ids, mask = left_padded(prompts)
+    batch = gen(model, ids, cache(model, 4), mask)
+    for b, p in enumerate(prompts):
+        alone = gen(model, p[None], cache(model))
+        assert torch.equal(batch[b], alone[0]), (b, batch[b], alone[0])
+
+
+def test_left_padded_batch_compiled_equals_eager(model):
+    prompts = requests(seed=1)
+    ids, mask = left_padded(prompts)
+    want = gen(model, ids, cache(model, 4), mask)
+    backend, graphs = counting_backend()
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True  # transformers compiles only on GPUs otherwise
+    got = gen(model, ids, cache(model, 4), mask, compile_config=config)
+    assert torch.equal(got, want)
+    assert len(graphs) == 1, graphs  # the decode step: one graph, no break
+
+
+def test_padding_is_not_stored_and_pad_rows_are_zero(model):
+    prompts = requests((3, 20))
+    ids, mask = left_padded(prompts)
+    c = cache(model, 2)
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kw):
+        out, _ = hf.attention(module, query, key, value, attention_mask, **kw)
+        seen.append(out)
+        return out, None
+
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("spy", spy)
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionMaskInterface.register("spy", hf._mask)
+    model.set_attn_implementation("spy")
+    try:
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask, cache=c).logits
+    finally:
+        model.set_attn_implementation(hf.NAME)
+    assert c._lens.tolist() == [3, 20]  # real tokens only
+    assert torch.isfinite(logits).all()
+    for out in seen:  # request 0's 17 rows of padding see nothing: zeros, not NaN
+        assert torch.isfinite(out).all() and not out[0, :17].any() and out[0, 17:].any()
+    # the pad rows' slots were -1: request 0's pages hold its 3 tokens and zeros after
+    page0 = c.layers[0].keys[c._table[0, 0]].view(torch.uint8)
+    assert page0[:3].any() and not page0[3:].any()
+
+
+def test_per_request_crop_is_one_device_op(model):
+    c = cache(model, 2)
+    ids, mask = left_padded(requests((10, 30)))
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=c)
+    c.crop(torch.tensor([-2, 0]))
+    assert c._lens.tolist() == [8, 30]
+    with pytest.raises(ValueError, match="minus the number"):
+        c.crop(torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="counts for 2 requests"):
+        c.crop(torch.tensor([-1]))
+
+
+def test_speculative_batch_emits_each_requests_greedy_tokens(model):
+    prompts = requests(seed=2)
+    ids, mask = left_padded(prompts)
+    c = hf.PagedE4M3Cache(
+        model.config, max_tokens=4 * CAP, max_batch_size=4, k_scale=KS, v_scale=VS
+    )
+    out = speculative.generate(model, ids, mask, cache=c, max_new_tokens=20, drafts=4)
+    assert out.steps < 20 and max(out.accepted) > 0  # drafts were accepted
+    for b, p in enumerate(prompts):
+        alone = gen(model, p[None], cache(model), new=20)
+        assert torch.equal(out.tokens[b], alone[0]), (b, out.tokens[b], alone[0])
+
+
+def test_speculative_compiled_verify_steps(model):
+    prompts = requests(seed=3)
+    ids, mask = left_padded(prompts)
+    want = speculative.generate(model, ids, mask, cache=cache(model, 4), max_new_tokens=16)
+    backend, graphs = counting_backend()
+    fwd = torch.compile(model, backend=backend, fullgraph=True)
+    got = speculative.generate(
+        model, ids, mask, cache=cache(model, 4), max_new_tokens=16, forward=fwd
+    )
+    assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
+    assert len(graphs) == 1, graphs  # one verify width, one graph
+
+
+def test_speculative_refuses_a_budget_before_the_prompt(model):
+    ids, mask = left_padded(requests((40, 10)))
+    c = hf.PagedE4M3Cache(model.config, max_tokens=2 * 64, max_batch_size=2)
+    with pytest.raises(RuntimeError, match=r"needs 40 tokens \+ reserve 37.*max_tokens >= 160"):
+        speculative.generate(model, ids, mask, cache=c, max_new_tokens=30, drafts=7)
+    assert c._lens.tolist() == [0, 0]  # nothing stored
+
+
+def test_prompt_lookup_drafts():
+    t = torch.tensor([5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6])
+    assert speculative.prompt_lookup(t, 3).tolist() == [7, 9, 5]  # latest "5 6"
+    assert speculative.prompt_lookup(torch.tensor([1, 2, 3]), 3).numel() == 0
+
+
+# --- scales ---------------------------------------------------------------------------------
+def test_calibrated_scales_do_not_depend_on_the_batch(model):
+    short, wide = requests((12, 30), seed=4)
+    c = hf.PagedE4M3Cache(model.config, max_tokens=2 * CAP, max_batch_size=2)
+    c.calibrate(model, torch.cat([short, wide[:12]])[None])  # a sample
+    scales = [(x.k_scale.clone(), x.v_scale.clone()) for x in c.layers]
+    ids, mask = left_padded([short, wide])
+    both = gen(model, ids, c, mask)
+    c.reset()  # reset keeps the scales
+    assert all(torch.equal(x.k_scale, k) for x, (k, _) in zip(c.layers, scales, strict=True))
+    one = hf.PagedE4M3Cache(model.config, max_tokens=CAP)
+    one.calibrate(model, torch.cat([short, wide[:12]])[None])
+    assert torch.equal(gen(model, short[None], one)[0], both[0])
+
+
+def test_scales_per_layer_and_from_a_checkpoint(model, tmp_path):
+    from safetensors.torch import save_file
+
+    save_file(
+        {
+            "model.layers.0.self_attn.k_scale": torch.tensor(0.05),
+            "model.layers.0.self_attn.v_scale": torch.tensor(0.04),
+            "model.layers.1.self_attn.k_proj.k_scale": torch.tensor([0.06, 0.07]),
+            "model.layers.1.self_attn.v_proj.v_scale": torch.tensor(0.03),
+            "model.layers.1.mlp.up_proj.weight": torch.zeros(2, 2),
+        },
+        str(tmp_path / "model.safetensors"),
+    )
+    ks, vs = hf.kv_scales_from_checkpoint(tmp_path)
+    c = hf.PagedE4M3Cache(model.config, max_tokens=CAP, k_scale=ks, v_scale=vs)
+    with torch.no_grad():
+        model(requests((20,))[0][None], cache=c)
+    assert c.layers[0].k_scale.tolist() == pytest.approx([0.05, 0.05])
+    assert c.layers[1].k_scale.tolist() == pytest.approx([0.06, 0.07])
+    assert c.layers[1].v_scale.tolist() == pytest.approx([0.03, 0.03])
+    with pytest.raises(ValueError, match="one scale per layer"):
+        hf.PagedE4M3Cache(model.config, k_scale=[0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match="no KV-cache scales"):
+        hf.kv_scales_from_checkpoint(tmp_path / "none")
+
+
+def test_saturation_is_counted_and_warned(model):
+    c = hf.PagedE4M3Cache(model.config, max_tokens=CAP, k_scale=1e-4, v_scale=VS)
+    with pytest.warns(UserWarning, match=r"of the K and .* saturated at 448 x scale"):
+        with torch.no_grad():
+            model(requests((20,))[0][None], cache=c)
+    assert c.saturated[0] > 0.5 * c.counted and c.counted == 2 * 20 * 2 * 128
+
+
+# --- the holes ------------------------------------------------------------------------------
+def test_beam_search_equals_stock_over_the_same_values(model):
+    ids = requests((16,), seed=5)[0][None]
+    ours = gen(model, ids, cache(model, 2), num_beams=2)
+    model.set_attn_implementation("sdpa")
+    try:
+        stock = gen(model, ids, QuantizedDynamicCache(), num_beams=2)
+    finally:
+        model.set_attn_implementation(hf.NAME)
+    assert torch.equal(ours, stock), (ours, stock)
+
+
+def test_a_model_not_on_the_sm70attn_attention_is_detected():
+    hf.register()
+    cfg = tiny(vocab=64, hidden=128, heads=4, head_dim=64)
+    torch.manual_seed(0)
+    ours = AutoModelForCausalLM.from_config(cfg, attn_implementation=hf.NAME, dtype=torch.float16)
+    AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float16)
+    assert ours.config._attn_implementation == "sdpa"  # the shared config was overwritten
+    c = hf.PagedE4M3Cache(ours.config, max_tokens=64)
+    with pytest.raises(RuntimeError, match="attn_implementation is 'sdpa'.*copy.deepcopy"):
+        with torch.no_grad():
+            ours(torch.randint(0, 64, (1, 5)), cache=c)
+
+
+def test_generate_without_the_cache_warns_once(model):
+    hf._warned.discard("unpaged")
+    ids = requests((10,))[0][None]
+    with pytest.warns(UserWarning, match="without a PagedE4M3Cache"):
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+
+
+def test_reserve_is_checked_before_the_prompt(model):
+    c = hf.PagedE4M3Cache(model.config, max_tokens=2 * 48, max_batch_size=2, reserve=20)
+    ids, mask = left_padded(requests((30, 5)))
+    with pytest.raises(RuntimeError, match=r"needs 30 tokens \+ reserve 20.*max_tokens >= 128"):
+        with torch.no_grad():
+            model(ids, attention_mask=mask, cache=c)
+    assert c._lens.tolist() == [0, 0]
+
+
+def test_a_compiled_step_past_the_budget_raises_at_the_next_host_read(model):
+    c = hf.PagedE4M3Cache(model.config, max_tokens=32, k_scale=KS, v_scale=VS)
+    backend, _ = counting_backend()
+    fwd = torch.compile(model, backend=backend, fullgraph=True)
+    ids = requests((30,))[0][None]
+    with torch.no_grad():
+        model(ids, cache=c)
+        fwd(ids[:, :1], cache=c, position_ids=torch.tensor([[30]]))  # 31 tokens
+        fwd(ids[:, :1], cache=c, position_ids=torch.tensor([[31]]))  # 32
+        fwd(ids[:, :1], cache=c, position_ids=torch.tensor([[32]]))  # 33: past, not stored
+    with pytest.raises(RuntimeError, match="reached 33 tokens.*not stored"):
+        c.get_seq_length()
+    assert c.get_seq_length() == 32

@@ -1,0 +1,111 @@
+"""Batched speculative decoding for transformers models on a PagedE4M3Cache: each request of
+a batch drafts its own tokens (prompt lookup), one verify forward checks B x (drafts + 1) rows,
+each request accepts its own number of drafts (greedy acceptance) and the cache crops each
+request apart (`crop` with a tensor), so the batch stays on the device and in one graph per
+width. transformers' own assisted generation takes one request; this is the loop for several.
+
+    cache = PagedE4M3Cache(model.config, max_tokens=B * (prompt + new + 16), max_batch_size=B)
+    out = speculative.generate(model, ids, mask, cache=cache, max_new_tokens=256, drafts=7)
+    out.tokens[b]  # request b's new tokens; out.accepted: drafts accepted per step
+
+A step's input per request is its last emitted token (not yet in the cache) and its drafts;
+the verify logits give the greedy token after each; request b accepts the drafts up to the
+first mismatch (a_b of them) and emits a_b + 1 tokens. Greedy acceptance emits the tokens
+greedy decoding would, up to near-ties: a verify forward's GEMMs have more rows than a
+decode step's and round differently, so where two logits are within about 1e-3 the argmax
+can differ from a one-row step's. The tokens of one run are checked against greedy by
+tests/test_transformers.py, not promised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class Output:
+    tokens: list[torch.Tensor]  # per request, its new tokens (CPU int64)
+    steps: int  # verify forwards after the prompt
+    accepted: list[float]  # per step, the mean accepted drafts over the running requests
+
+
+def prompt_lookup(tokens: torch.Tensor, k: int, max_ngram: int = 3) -> torch.Tensor:
+    """Up to k drafts: what followed the latest earlier occurrence of the last n tokens
+    (n = max_ngram .. 1) in `tokens` (1-D CPU int64). Empty if nothing matches."""
+    L = tokens.numel()
+    for n in range(min(max_ngram, L - 1), 0, -1):
+        windows = tokens[: L - 1].unfold(0, n, 1)  # every n-gram that has a successor
+        hits = (windows == tokens[L - n :]).all(1).nonzero().flatten()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return tokens[start : start + k]
+    return tokens[:0]
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    cache,
+    max_new_tokens: int,
+    drafts: int = 7,
+    forward=None,
+    eos_token_id: int | None = None,
+    max_ngram: int = 3,
+) -> Output:
+    """Greedy generation of max_new_tokens per request (fewer where eos_token_id comes first)
+    with verify steps of drafts + 1 rows. input_ids [B, T], left padded where attention_mask
+    [B, T] has zeros. cache: an empty PagedE4M3Cache with max_batch_size >= B; the prompt is
+    refused before anything is stored unless each request's prompt + max_new_tokens + drafts
+    fits. forward: what runs the verify steps (default: the model; e.g. torch.compile(model,
+    backend="sm70attn", fullgraph=True, mode="reduce-overhead")); the prompt runs eagerly."""
+    forward = model if forward is None else forward
+    B, dev = input_ids.shape[0], input_ids.device
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(dev)
+    cache.reset()
+    reserve, cache.reserve = cache.reserve, max_new_tokens + drafts
+    try:
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids, attention_mask=mask, position_ids=pos, cache=cache).logits
+    finally:
+        cache.reserve = reserve
+    last = logits[:, -1].argmax(-1).cpu()
+    history = [input_ids[b][mask[b].bool()].cpu() for b in range(B)]
+    out = [[int(last[b])] for b in range(B)]
+    length = mask.sum(1).cpu()  # tokens in the cache per request
+    done = [max_new_tokens <= 1 or out[b][0] == eos_token_id for b in range(B)]
+    steps, accepted = 0, []
+    rows = torch.arange(drafts + 1)
+    while not all(done):
+        ids = torch.empty(B, drafts + 1, dtype=torch.long)
+        for b in range(B):
+            seq = torch.cat([history[b], torch.tensor(out[b])])
+            d = prompt_lookup(seq, drafts, max_ngram)
+            ids[b, 0] = out[b][-1]
+            ids[b, 1:] = out[b][-1]  # a filler draft where lookup finds fewer
+            ids[b, 1 : 1 + d.numel()] = d
+        pos = length[:, None] + rows
+        g = forward(ids.to(dev), position_ids=pos.to(dev), cache=cache).logits.argmax(-1)
+        ids_d = ids.to(dev)
+        match = (g[:, :drafts] == ids_d[:, 1:]).int().cumprod(1).sum(1)  # accepted drafts
+        run = torch.tensor([not x for x in done], device=dev)
+        keep = torch.where(run, match + 1, 0)  # a finished request keeps nothing
+        cache.crop((keep - (drafts + 1)).int())
+        g, keep, match = g.cpu(), keep.cpu(), match.cpu()
+        steps += 1
+        accepted.append(float(match[~torch.tensor(done)].float().mean()))
+        for b in range(B):
+            if done[b]:
+                continue
+            new = g[b, : int(keep[b])].tolist()
+            length[b] += int(keep[b])
+            for t in new:
+                out[b].append(t)
+                if len(out[b]) >= max_new_tokens or t == eos_token_id:
+                    done[b] = True
+                    break
+    return Output([torch.tensor(o[:max_new_tokens]) for o in out], steps, accepted)
