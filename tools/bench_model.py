@@ -35,16 +35,20 @@ import torch_sm70attn as sa
 from torch_sm70attn.integrations import demo
 from torch_sm70attn.integrations import transformers as hf
 
+_gather_sdpa = torch.compile(hf._prefill, dynamic=True)
+
 
 def fp8_gather_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """The users' FP8 path today: gather the pages, dequantize, SDPA with the verifier mask
-    (the integration's prefill route without its fresh-prompt shortcut)."""
-    kc, vc, table, lens, ks, vs, _ = kwargs[hf.NAME]
-    return hf._prefill(query, kc, vc, table, lens, scaling, ks, vs).transpose(1, 2), None
+    """The users' FP8 path today: store the new tokens (store_kv, as ours), then gather the
+    pages, dequantize, SDPA with the verifier mask (the integration's prefill route without
+    its fresh-prompt shortcut), compiled by inductor with dynamic shapes."""
+    cache, layer = kwargs[hf.NAME]
+    kc, vc, table, lens, ks, vs, *_ = cache.store(layer, key, value, attention_mask)
+    return _gather_sdpa(query, kc, vc, table, lens, scaling, ks, vs).transpose(1, 2), None
 
 
 def register_gather() -> str:
-    AttentionInterface.register("fp8_gather", torch.compile(fp8_gather_attention, dynamic=True))
+    AttentionInterface.register("fp8_gather", fp8_gather_attention)
     AttentionMaskInterface.register("fp8_gather", hf._mask)
     return "fp8_gather"
 

@@ -279,10 +279,11 @@ def main(argv=None) -> int:
     )
     d.add_argument("--device", type=_demo_device, help="cpu or cuda (default: cuda if present)")
     d.add_argument("--context", type=_at_least(1), help="prompt tokens (CPU 200, GPU 32768)")
-    d.add_argument("--batch", type=_at_least(1), default=1, help="requests (prompt lookup: 1)")
+    d.add_argument("--batch", type=_at_least(1), default=1, help="concurrent requests")
     d.add_argument("--layers", type=_at_least(1), help="decoder layers (CPU 2, GPU 4)")
     d.add_argument("--draft", type=_at_least(1), default=4, help="prompt-lookup draft tokens")
-    d.add_argument("--new-tokens", type=_at_least(2), help="tokens to generate (CPU 24, GPU 64)")
+    d.add_argument("--new-tokens", type=_at_least(3), help="tokens to generate (CPU 24, GPU 64)")
+    d.add_argument("--runs", type=_at_least(1), default=3, help="timed runs of each path")
     c = sub.add_parser("check", help="one paged decode + verify step, checked against SDPA")
     c.add_argument("--device", type=_demo_device, help="cpu or cuda (default: cuda if present)")
     c.add_argument(
@@ -314,6 +315,7 @@ def demo(args) -> int:
         layers=args.layers or (4 if gpu else 2),
         draft=args.draft,
         new=args.new_tokens or (64 if gpu else 24),
+        runs=args.runs,
     )
 
 

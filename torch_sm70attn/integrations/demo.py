@@ -5,6 +5,7 @@ rows), against transformers' stock SDPA path with its default float16 cache."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -54,9 +55,9 @@ def _now(device) -> float:
     return time.perf_counter()
 
 
-def _generate(model, ids, cache, new_tokens, compile_config=None, **kw):
-    """Greedy generate; returns (sequences, per-step logits, (prompt s, after-prompt s)): the
-    first forward (the prompt, with the first drafts under prompt lookup) is timed apart."""
+def _generate(model, ids, cache, new_tokens, compile_config=None, logits=False):
+    """Greedy generate; returns (sequences, per-step logits or None, (prompt s, after-prompt
+    s)): the first forward (the prompt) is timed apart, by a hook that synchronizes."""
     marks = []
 
     def first(*_):  # the prompt's end; then gone, so that compiled steps trace no hook
@@ -73,20 +74,43 @@ def _generate(model, ids, cache, new_tokens, compile_config=None, **kw):
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
                 do_sample=False,
-                output_logits=True,
+                output_logits=logits,
                 return_dict_in_generate=True,
                 compile_config=compile_config,
                 disable_compile=compile_config is None,  # eager unless asked
-                **kw,
             )
     finally:
         hook.remove()
     t1 = _now(ids.device)
-    return out.sequences, torch.stack(out.logits, 1).float(), (marks[0] - t0, t1 - marks[0])
+    got = torch.stack(out.logits, 1).float() if logits else None
+    return out.sequences[:, ids.shape[1] :], got, (marks[0] - t0, t1 - marks[0])
 
 
-def run(device: torch.device, context: int, batch: int, layers: int, draft: int, new: int) -> int:
-    from .transformers import NAME, PagedE4M3Cache
+def _lookup(model, ids, cache, new, draft, forward=None):
+    """speculative.generate (prompt lookup, per-request acceptance): (tokens [B, new],
+    None, (prompt s, after-prompt s), tokens a request emits per step)."""
+    from .speculative import generate
+
+    t0 = _now(ids.device)
+    out = generate(model, ids, cache=cache, max_new_tokens=new, drafts=draft, forward=forward)
+    per_step = sum(map(sum, out.emitted[1:])) / (out.steps * ids.shape[0])
+    seqs = torch.stack(out.tokens).to(ids.device)
+    return seqs, None, (out.times[0] - t0, out.times[-1] - out.times[0]), per_step
+
+
+def _median_runs(fn, runs: int):
+    """One warm-up run, then `runs` runs: (the last run's tokens, median prompt s, median
+    after-prompt s, the runs' after-prompt s, tokens per step or None)."""
+    fn()
+    got = [fn() for _ in range(runs)]
+    med = [statistics.median(g[2][i] for g in got) for i in (0, 1)]
+    return got[-1][0], med[0], med[1], [g[2][1] for g in got], (got[-1][3:] or [None])[0]
+
+
+def run(
+    device: torch.device, context: int, batch: int, layers: int, draft: int, new: int, runs=3
+) -> int:
+    from .transformers import NAME, PagedE4M3Cache, compile_config
 
     if device.type == "cuda":
         _say("building (or loading) the CUDA kernels; the first build takes about a minute ...")
@@ -107,87 +131,85 @@ def run(device: torch.device, context: int, batch: int, layers: int, draft: int,
     )
     route = sa.admit(q, kc)
     _say(f"route of a decode step: {route.route} ({route.reason})")
-
-    def cache():
-        return PagedE4M3Cache(cfg, max_tokens=context + new + draft + 16, max_batch_size=batch)
-
-    model.set_attn_implementation("sdpa")
-    _say("stock transformers (sdpa attention, float16 DynamicCache) ...")
-    _generate(model, ids, None, 2)  # warm-up
-    ref, ref_logits, t_ref = _generate(model, ids, None, new)
+    # one cache for every run of ours (reset in between), its scales calibrated once on a
+    # sample: every run, eager or compiled, stores the same values
+    cache = PagedE4M3Cache(
+        cfg, max_tokens=batch * (context + new + draft + 16), max_batch_size=batch
+    )
     model.set_attn_implementation(NAME)
-    _say("torch_sm70attn (paged E4M3 cache) ...")
-    _generate(model, ids, cache(), 2)  # warm-up: the first calls build, tune, allocate
-    ours, logits, t_ours = _generate(model, ids, cache(), new)
-    spec_rows = []
-    paged = sa.paged_attention
+    cache.calibrate(model, ids[:1, : min(context, 4096)])
 
-    def counting(query, *args, **kw):
-        spec_rows.append(query.shape[2])
-        return paged(query, *args, **kw)
+    def ours(fn, *a, **kw):
+        def go():
+            cache.reset()
+            return fn(model, ids, cache, *a, **kw)
 
-    def line(name, t):  # the prompt's time, and tokens/s after it
-        _say(f"{name:<30} {t[0]:9.3f} {batch * (new - 1) / t[1]:16.1f}")
+        return go
 
-    compiled = None
-    if device.type == "cuda":  # generate's decode steps as one graph each, CUDA graphs
-        from .transformers import compile_config
-
+    rows = []  # (path, tokens, prompt s, after-prompt s, runs, tokens per step)
+    model.set_attn_implementation("sdpa")
+    _say(f"stock transformers (sdpa attention, float16 DynamicCache), {runs} runs ...")
+    rows.append(
+        ("stock sdpa, fp16 cache", *_median_runs(lambda: _generate(model, ids, None, new), runs))
+    )
+    ref, ref_logits, _ = _generate(model, ids, None, new, logits=True)
+    model.set_attn_implementation(NAME)
+    _say(f"torch_sm70attn (paged E4M3 cache), {runs} runs ...")
+    rows.append(("sm70attn, decode", *_median_runs(ours(_generate, new), runs)))
+    cache.reset()
+    greedy, logits, _ = _generate(model, ids, cache, new, logits=True)
+    rows.append(
+        (f"sm70attn, prompt lookup {draft}", *_median_runs(ours(_lookup, new, draft), runs))
+    )
+    if device.type == "cuda":  # decode and verify steps as one graph each, CUDA graphs
         _say("torch_sm70attn compiled (fullgraph, the backend's CUDA graphs): compiling ...")
         config = compile_config(mode=None, options={"inner": "cudagraphs"})  # a V100's path
-        c = cache()  # one cache, reset: the timed run replays the graphs recorded before
-        _generate(model, ids, c, new, compile_config=config)  # compile, warm up, record
-        c.reset()
-        compiled = _generate(model, ids, c, new, compile_config=config)
-        if batch == 1:
-            lookup = dict(compile_config=config, prompt_lookup_num_tokens=draft)
-            c.reset()
-            _generate(model, ids, c, new, **lookup)  # a graph per verify width
-            c.reset()
-            compiled_lookup = _generate(model, ids, c, new, **lookup)
-    _say(f"{'path':<30} {'prompt s':>9} {'decode tokens/s':>16}")
-    line("stock sdpa, fp16 cache", t_ref)
-    line("sm70attn, decode", t_ours)
-    if compiled is not None:
-        line("sm70attn, decode, compiled", compiled[2])
-        if not torch.equal(compiled[0], ours):
-            _say("compiled decode differs from eager decode: a bug, please report it")
-            return 1
-    if batch == 1:  # transformers' assisted generation takes one request
-        _generate(model, ids, cache(), 2 + draft, prompt_lookup_num_tokens=draft)  # warm-up
-        sa.paged_attention = counting  # count the verify steps
-        try:
-            spec, _, t_spec = _generate(model, ids, cache(), new, prompt_lookup_num_tokens=draft)
-        finally:
-            sa.paged_attention = paged
-        steps = len(spec_rows) // layers
-        line(f"sm70attn, prompt lookup {draft}", t_spec)
-        if compiled is not None:
-            line(f"sm70attn, prompt lookup {draft}, compiled", compiled_lookup[2])
-            if not torch.equal(compiled_lookup[0], ours):
-                _say("compiled prompt lookup differs from greedy decode: a bug, please report it")
-                return 1
-        _say(
-            f"prompt lookup: {steps} verify steps after the prompt for {new} tokens "
-            f"({new / max(steps, 1):.2f} tokens per step; up to {max(spec_rows)} rows a step)"
+        rows.append(
+            ("sm70attn, decode, compiled", *_median_runs(ours(_generate, new, config), runs))
         )
-    n = min(ref.shape[1], ours.shape[1])
-    diff = (ref[:, :n] != ours[:, :n]).nonzero()
-    first = int(diff[:, 1].min()) - context if diff.numel() else None
-    upto = first if first is not None else new  # logits compared while the inputs agree
-    scale = ref_logits[:, : max(upto, 1)].abs().amax().item()
-    dev = (ref_logits[:, : max(upto, 1)] - logits[:, : max(upto, 1)]).abs().amax().item()
+        fwd = torch.compile(
+            model, backend=NAME, fullgraph=True, dynamic=False, options={"inner": "cudagraphs"}
+        )
+        rows.append(
+            (
+                f"sm70attn, prompt lookup {draft}, compiled",
+                *_median_runs(ours(_lookup, new, draft, forward=fwd), runs),
+            )
+        )
+    _say(
+        f"\n{'path':<36} {'prompt s':>9} {'decode ms/token':>16} {'tokens/s':>9} "
+        f"{'tokens/step':>11}   (medians of {runs} warm runs; decode after the prompt)"
+    )
+    for name, _, prompt_s, after_s, _, per_step in rows:
+        ms = 1e3 * after_s / (new - 1)
+        step = "1" if per_step is None else f"{per_step:.2f}"
+        _say(f"{name:<36} {prompt_s:9.3f} {ms:16.3f} {batch * 1e3 / ms:9.1f} {step:>11}")
+    status = 0
+    for name, seqs, *_ in rows[1:]:
+        if "compiled" in name and "decode" in name and not torch.equal(seqs, greedy):
+            _say(f"{name} differs from eager decode: a bug, please report it")
+            status = 1
+    n = min(ref.shape[1], greedy.shape[1])
+    diff = (ref[:, :n] != greedy[:, :n]).nonzero()
+    first = int(diff[:, 1].min()) if diff.numel() else None
+    upto = max(first if first is not None else new, 1)  # logits compared while inputs agree
+    scale = ref_logits[:, :upto].abs().amax().item()
+    dev = (ref_logits[:, :upto] - logits[:, :upto]).abs().amax().item()
     _say(
         f"largest logit deviation from the stock path: {dev:.3g} (of logits up to {scale:.3g}) "
-        f"over the first {max(upto, 1)} steps; first differing token: "
+        f"over the first {upto} steps; first differing token: "
         f"{'none' if first is None else first}"
     )
     _say(
         "(the FP8 KV cache rounds K and V to 3 mantissa bits, so small deviations, and on a "
         "random model's near-ties a different token, are expected)"
     )
-    if batch == 1:
-        d = (spec != ours).nonzero()
-        same = "yes" if not d.numel() else f"no, from token {int(d[:, 1].min()) - context}"
-        _say(f"prompt lookup emits the greedy tokens: {same}")
-    return 0 if bool(torch.isfinite(logits).all()) else 1
+    for name, seqs, *_ in rows:
+        if "prompt lookup" in name:
+            d = (seqs != greedy).nonzero()
+            same = "yes" if not d.numel() else f"no, from token {int(d[:, 1].min())}"
+            _say(
+                f"{name} emitted the greedy tokens in this run: {same} (a verify step's GEMMs "
+                "round differently from a decode step's: near-ties can flip)"
+            )
+    return status if bool(torch.isfinite(logits).all()) else 1

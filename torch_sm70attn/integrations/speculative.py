@@ -20,6 +20,7 @@ tests/test_transformers.py, not promised.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -29,6 +30,8 @@ class Output:
     tokens: list[torch.Tensor]  # per request, its new tokens (CPU int64)
     steps: int  # verify forwards after the prompt
     accepted: list[float]  # per step, the mean accepted drafts over the running requests
+    emitted: list[list[int]]  # per step, the tokens each request emitted (the prompt's first)
+    times: list[float]  # per step, host clock (s) once its tokens were on the host
 
 
 def prompt_lookup(tokens: torch.Tensor, k: int, max_ngram: int = 3) -> torch.Tensor:
@@ -70,10 +73,13 @@ def generate(
     reserve, cache.reserve = cache.reserve, max_new_tokens + drafts
     try:
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids, attention_mask=mask, position_ids=pos, cache=cache).logits
+        logits = model(
+            input_ids, attention_mask=mask, position_ids=pos, cache=cache, logits_to_keep=1
+        ).logits
     finally:
         cache.reserve = reserve
     last = logits[:, -1].argmax(-1).cpu()
+    times, emitted = [time.perf_counter()], [[1] * B]
     history = [input_ids[b][mask[b].bool()].cpu() for b in range(B)]
     out = [[int(last[b])] for b in range(B)]
     length = mask.sum(1).cpu()  # tokens in the cache per request
@@ -97,7 +103,9 @@ def generate(
         cache.crop((keep - (drafts + 1)).int())
         g, keep, match = g.cpu(), keep.cpu(), match.cpu()
         steps += 1
+        times.append(time.perf_counter())
         accepted.append(float(match[~torch.tensor(done)].float().mean()))
+        emitted.append([0] * B)
         for b in range(B):
             if done[b]:
                 continue
@@ -105,7 +113,9 @@ def generate(
             length[b] += int(keep[b])
             for t in new:
                 out[b].append(t)
+                emitted[-1][b] += 1
                 if len(out[b]) >= max_new_tokens or t == eos_token_id:
                     done[b] = True
                     break
-    return Output([torch.tensor(o[:max_new_tokens]) for o in out], steps, accepted)
+    tokens = [torch.tensor(o[:max_new_tokens]) for o in out]
+    return Output(tokens, steps, accepted, emitted, times)

@@ -170,6 +170,7 @@ class _Layer(CacheLayerMixin):
         shape = (c.num_pages, c.page_size, H, D)
         self.keys = torch.zeros(shape, dtype=FP8, device=key_states.device)
         self.values = torch.zeros(shape, dtype=FP8, device=key_states.device)
+        _static(self.keys, self.values)
         self.is_initialized = True
 
     def set_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -250,7 +251,8 @@ class PagedE4M3Cache(Cache):
         super().__init__(layers=[_Layer(self, ks[i], vs[i]) for i in range(n)])
         self._config = cfg  # for the attention implementation in error messages
         self._table = self._lens = None  # device [B, pages] int32 and [B] int32
-        self._over = self._over_host = None  # device [1] int32: the largest length refused
+        self._full = self._full_host = None  # device [B] bool: the request went past its pages
+        self._offsets = {}  # Q -> device [B, Q] int64: slot of row r of request b, less its length
         self._pending = None  # the layer whose attention has not read the cache yet
         self._calibrate = None  # headroom while calibrate() runs
         self.saturated = [0, 0]  # K and V values stored at +-448 by prompt forwards, of
@@ -262,10 +264,9 @@ class PagedE4M3Cache(Cache):
         """Empty every request (the pools, scales, table and their addresses stay)."""
         if self._lens is not None:
             self._lens.zero_()
-            self._over.zero_()
             self._full.zero_()
-            if self._over_host is not None:
-                self._over_host.zero_()
+            if self._full_host is not None:
+                self._full_host.zero_()
 
     def get_seq_length(self, layer_idx: int = 0):
         """Tokens held by the longest request: an int (a device read); a 0-d tensor while
@@ -299,31 +300,34 @@ class PagedE4M3Cache(Cache):
 
     def check(self) -> None:
         """Raise if a step went past a request's pages (reads the device)."""
-        if self._over is not None and not torch.compiler.is_compiling():
-            self._raise_full(int(self._over.item()))
+        if self._full is not None and not torch.compiler.is_compiling():
+            self._raise_full(self._full.tolist())
 
     def _poll(self) -> None:
         """Check the overflow flag without waiting for the GPU: read the copy made at the
         previous poll (complete once the host has synchronized since, as generate() does every
         step), then start the next copy."""
-        if self._over is None or torch.compiler.is_compiling():
+        if self._full is None or torch.compiler.is_compiling():
             return
-        if not self._over.is_cuda:
+        if not self._full.is_cuda:
             return self.check()
-        if self._over_host is None:
-            self._over_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        self._raise_full(int(self._over_host[0]))
-        self._over_host.copy_(self._over, non_blocking=True)
+        if self._full_host is None or self._full_host.shape != self._full.shape:
+            self._full_host = torch.zeros(self._full.shape, dtype=torch.bool, pin_memory=True)
+        self._raise_full(self._full_host.tolist())
+        self._full_host.copy_(self._full, non_blocking=True)
 
-    def _raise_full(self, wanted: int) -> None:
-        if wanted:
+    def _raise_full(self, full: list[bool]) -> None:
+        if any(full):
             cap, B = self.capacity(), self._table.shape[0]
-            self._over.zero_()
+            self._full.zero_()
+            if self._full_host is not None:
+                self._full_host.zero_()
+            which = [b for b, f in enumerate(full) if f]
             raise RuntimeError(
-                f"PagedE4M3Cache is full: a request reached {wanted} tokens, each of the {B} "
-                f"requests holds {cap} (max_tokens={self.num_pages * self.page_size} / batch); "
-                f"that step's tokens were not stored. Use max_tokens >= {B} x (prompt + "
-                "max_new_tokens + drafts), rounded up to pages, and cache.reset()"
+                f"PagedE4M3Cache is full: request(s) {which} went past their {cap} tokens "
+                f"(max_tokens={self.num_pages * self.page_size} / batch of {B}); the tokens "
+                f"past it were not stored. Use max_tokens >= {B} x (prompt + max_new_tokens + "
+                "drafts), rounded up to pages (or reserve=), and cache.reset()"
             )
 
     def crop(self, tokens_to_remove) -> None:
@@ -401,10 +405,9 @@ class PagedE4M3Cache(Cache):
             )
         self._table = torch.arange(B * W, dtype=torch.int32, device=device).view(B, W)
         self._lens = torch.zeros(B, dtype=torch.int32, device=device)
-        self._over = torch.zeros(1, dtype=torch.int32, device=device)
         self._full = torch.zeros(B, dtype=torch.bool, device=device)
-        self._over_host = None
-        _static(self._table, self._lens, self._over, self._full)
+        self._full_host, self._offsets = None, {}
+        _static(self._table, self._lens, self._full)
 
     def _prompt_checks(self, Q: int, valid) -> tuple[int, bool]:
         """An eager forward of more than MAX_ROWS rows (a prompt, a prefill chunk): one device
@@ -438,24 +441,31 @@ class PagedE4M3Cache(Cache):
         return -(-max(need) // ps), fresh
 
     def _advance(self, Q: int, valid) -> None:
-        """Layer 0 of a forward: each request's real new tokens. Past a request's pages the
-        lengths stop at its capacity and the flag keeps the length wanted."""
-        n = Q if valid is None else valid.sum(1, dtype=torch.int32)
-        want = self._lens + n
-        full = want > self.capacity()
-        self._full.copy_(full)
-        self._over.copy_(torch.maximum(self._over, want.masked_fill(~full, 0).max()))
-        self._lens.copy_(torch.where(full, self._lens, want))  # a full request keeps its length
+        """Layer 0 of a forward: each request's real new tokens. A request they would take
+        past its pages stops at its capacity and is marked full (raised at the next host
+        check); a full request stores nothing more."""
+        cap = self.capacity()
+        self._lens.add_(Q if valid is None else valid.sum(1, dtype=torch.int32))
+        over = self._lens > cap
+        self._lens.clamp_(max=cap)
+        self._full.logical_or_(over)
 
     def _slots(self, Q: int, valid) -> torch.Tensor:
-        """slot of each new token [B * Q], after _advance; -1 for padding and for a request
-        that is full."""
-        ps, table = self.page_size, self._table
-        pos = self._lens.long()[:, None] - Q + torch.arange(Q, device=table.device)
+        """The slots [B * Q] of the new tokens, after _advance: -1 for padding and for a full
+        request. The table is the identity layout (`_allocate`), so request b's position p is
+        slot b * capacity + p."""
         skip = self._full[:, None] if valid is None else self._full[:, None] | ~valid
-        pos = pos.clamp(min=0)
-        slots = table.gather(1, pos // ps).long() * ps + pos % ps
-        return slots.masked_fill(skip, -1).flatten()
+        return (self._lens[:, None] + self._offset(Q)).masked_fill_(skip, -1).flatten()
+
+    def _offset(self, Q: int) -> torch.Tensor:
+        """[B, Q] int64: b * capacity - Q + r (made once per Q outside a compiled graph)."""
+        off = None if torch.compiler.is_compiling() else self._offsets.get(Q)
+        if off is None:
+            B, cap, dev = self._table.shape[0], self.capacity(), self._table.device
+            off = torch.arange(B, device=dev)[:, None] * cap - Q + torch.arange(Q, device=dev)
+            if not torch.compiler.is_compiling():
+                self._offsets[Q] = off
+        return off
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Hand the attention this cache and the layer through the model's kwargs; the

@@ -1,0 +1,211 @@
+"""The seeds' endpoint protocol on a transformers model: C concurrent requests (C1, C4, C8),
+each a 32K-token prompt (a shared prefix and a distinct suffix, as the seeds' fixture),
+admitted as one wave, 256 new tokens each, greedy. Decode tokens/s are counted between the
+last request's first token and the first request's last token (all requests' tokens in that
+window over its length). Paths (a Qwen3-architecture model with random weights, transformers'
+own classes, `demo.build`):
+
+  sm70attn spec            PagedE4M3Cache + speculative.generate: prompt lookup, 7 drafts
+                           (verify steps of 8 rows a request), per-request acceptance; eager
+  sm70attn spec compiled   the same, the verify forward compiled whole (fullgraph) by the
+                           sm70attn backend and replayed as a CUDA graph (a V100's path)
+  sm70attn decode          generate() through the paged cache, greedy decode, eager
+  fp8 gather spec          the spec loop over the same paged cache with the users' FP8
+                           attention: gather the pages, dequantize, SDPA (inductor, dynamic)
+  stock fp16               transformers' generate, sdpa attention, float16 DynamicCache,
+                           greedy decode of the whole wave (static batching), eager
+
+Each figure is the median of --runs warm runs (a first run of each path warms it up). The
+random model's acceptance is what prompt lookup finds in its output, which repeats itself
+far more than a trained model's does on real text: it says the verify path runs at that
+acceptance, not what a real model would accept. Usage (GPU):
+
+    python tools/bench_serving.py --json serving.json
+    python tools/bench_serving.py --report serving.json        # the table, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import torch_sm70attn as sa
+from torch_sm70attn.integrations import demo, speculative
+from torch_sm70attn.integrations import transformers as hf
+
+
+def prompts(C: int, ctx: int, suffix: int = 512, seed: int = 0) -> torch.Tensor:
+    """[C, ctx]: one shared prefix (the demo's prompt: random tokens repeated, so that prompt
+    lookup finds drafts) and per request a distinct random suffix."""
+    prefix = demo.make_prompt(1, ctx - suffix, "cpu", seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    tails = torch.randint(0, 1024, (C, suffix), generator=g)
+    return torch.cat([prefix.expand(C, -1), tails], 1).cuda()
+
+
+def window(out: speculative.Output, new: int) -> tuple[float, float]:
+    """(decode tokens/s, mean tokens a request emits per step) between the last request's first
+    token (the prompt's end: one wave) and the first request's last token."""
+    done = [None] * len(out.emitted[0])
+    count = [0] * len(done)
+    for i, step in enumerate(out.emitted):
+        for b, n in enumerate(step):
+            count[b] += n
+            if done[b] is None and count[b] >= new:
+                done[b] = i
+    end = min(d for d in done if d is not None)
+    tokens = sum(sum(step) for step in out.emitted[1 : end + 1])
+    return tokens / (out.times[end] - out.times[0]), tokens / (end * len(done))
+
+
+def spec_run(model, ids, cache, new, drafts, forward=None):
+    out = speculative.generate(
+        model, ids, cache=cache, max_new_tokens=new, drafts=drafts, forward=forward
+    )
+    rate, per_step = window(out, new)
+    return rate, per_step, statistics.mean(out.accepted)
+
+
+def generate_run(model, ids, cache, new):
+    """transformers' generate: (decode tokens/s after the prompt's forward, 1, 0)."""
+    marks = []
+
+    def first(*_):
+        torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+        hook.remove()
+
+    hook = model.register_forward_hook(first)
+    try:
+        with torch.no_grad():
+            model.generate(
+                ids, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False
+            )
+    finally:
+        hook.remove()
+    torch.cuda.synchronize()
+    return ids.shape[0] * (new - 1) / (time.perf_counter() - marks[0]), 1.0, 0.0
+
+
+PATHS = ["sm70attn spec", "sm70attn spec compiled", "sm70attn decode", "fp8 gather spec",
+         "stock fp16"]  # fmt: skip
+
+
+def measure(model, C, ctx, new, drafts, runs, gather, compiled, skip) -> dict:
+    ids = prompts(C, ctx)
+    row = {"C": C, "ctx": ctx, "new": new, "drafts": drafts}
+
+    def paged():
+        return hf.PagedE4M3Cache(
+            model.config, max_tokens=C * (ctx + new + drafts + 32), max_batch_size=C
+        )
+
+    cache = paged()
+    model.set_attn_implementation(hf.NAME)
+    cache.calibrate(model, ids[:1, :4096])  # the scales from a sample, kept for every run
+    plans = {
+        "sm70attn spec": (hf.NAME, lambda: spec_run(model, ids, cache, new, drafts)),
+        "sm70attn spec compiled": (
+            hf.NAME,
+            lambda: spec_run(model, ids, cache, new, drafts, forward=compiled),
+        ),
+        "sm70attn decode": (hf.NAME, lambda: generate_run(model, ids, cache, new)),
+        "fp8 gather spec": (gather, lambda: spec_run(model, ids, cache, new, drafts)),
+        "stock fp16": ("sdpa", lambda: generate_run(model, ids, None, new)),
+    }
+    for name in PATHS:
+        if name in skip:
+            continue
+        impl, fn = plans[name]
+        model.set_attn_implementation(impl)
+        got = []
+        for i in range(runs + 1):  # the first run warms up (compiles, records graphs)
+            cache.reset()
+            r = fn()
+            if i:
+                got.append(r)
+        rates = [g[0] for g in got]
+        row[name] = {
+            "tokens_per_s": statistics.median(rates),
+            "runs": rates,
+            "tokens_per_step": statistics.median(g[1] for g in got),
+            "accepted_per_step": statistics.median(g[2] for g in got),
+        }
+        print(f"  C{C} {name}: {row[name]}", flush=True)
+    model.set_attn_implementation(hf.NAME)
+    torch.cuda.empty_cache()
+    return row
+
+
+def table(rows) -> str:
+    head = ["C", *PATHS, "spec compiled / stock", "spec compiled / fp8 gather",
+            "tokens a request emits per step (spec)", "accepted drafts per step"]  # fmt: skip
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"C{r['C']}"]
+        cells += [f"{r[p]['tokens_per_s']:.0f}" if p in r else "-" for p in PATHS]
+        ours = r.get("sm70attn spec compiled", {}).get("tokens_per_s")
+        for base in ("stock fp16", "fp8 gather spec"):
+            ok = ours and base in r
+            cells.append(f"{ours / r[base]['tokens_per_s']:.2f}" if ok else "-")
+        spec = r.get("sm70attn spec compiled") or r.get("sm70attn spec") or {}
+        cells.append(f"{spec.get('tokens_per_step', float('nan')):.2f}")
+        cells.append(f"{spec.get('accepted_per_step', float('nan')):.2f}")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--drafts", type=int, default=7)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--skip", nargs="*", default=[], choices=PATHS)
+    ap.add_argument("--v100-grid", action="store_true",
+                    help="the op planned for 80 SMs of 96 KB (a V100's grids; the GPU stays whole)")  # fmt: skip
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--report", default=None, help="print the table of a --json file")
+    args = ap.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            print(table(json.load(f)["rows"]))
+        return 0
+    mod = sa.ops.load_cuda_kernels()
+    if args.v100_grid:
+        mod.set_plan_override(80, 98304)
+    model = demo.build(torch.device("cuda"), args.layers)
+    from bench_model import register_gather
+
+    gather = register_gather()
+    compiled = torch.compile(
+        model, backend=hf.NAME, fullgraph=True, dynamic=False, options={"inner": "cudagraphs"}
+    )
+    p, cfg = torch.cuda.get_device_properties(0), model.config
+    head = (
+        f"{p.name} ({p.multi_processor_count} SMs{', op planned for 80 SMs' if args.v100_grid else ''}), "
+        f"torch {torch.__version__}; Qwen3 architecture, {args.layers} layers, "
+        f"{cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads, head dim "
+        f"{cfg.head_dim}; prompts {args.ctx}, {args.new} new tokens, {args.drafts} drafts; "
+        f"decode tokens/s, median of {args.runs} warm runs"
+    )
+    print(head, flush=True)
+    rows = []
+    for C in args.concurrency:
+        rows.append(measure(model, C, args.ctx, args.new, args.drafts, args.runs, gather,
+                            compiled, args.skip))  # fmt: skip
+    print("\n" + table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": head, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
