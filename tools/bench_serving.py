@@ -9,7 +9,10 @@ own classes, `demo.build`):
                            (verify steps of 8 rows a request), per-request acceptance; eager
   sm70attn spec compiled   the same, the verify forward compiled whole (fullgraph) by the
                            sm70attn backend and replayed as a CUDA graph (a V100's path)
-  sm70attn decode          generate() through the paged cache, greedy decode, eager
+  sm70attn decode          generate() through the paged cache, greedy, called as users call it:
+                           on a GPU where Triton runs, transformers compiles the decode step of
+                           a compileable cache with its default CompileConfig (inductor, CUDA
+                           graph trees); not a V100's path (see the demo for eager decode)
   fp8 gather spec          the spec loop over the same paged cache with the users' FP8
                            attention: gather the pages, dequantize, SDPA (inductor, dynamic)
   stock fp16               transformers' generate, sdpa attention, float16 DynamicCache,
@@ -159,6 +162,31 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
+def plot(path: str, files: list[str]) -> None:
+    """Decode tokens/s of every path by concurrency (log scale), one panel per JSON file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(files), figsize=(7 * len(files), 4.2), squeeze=False)
+    for ax, f in zip(axes[0], files, strict=True):
+        with open(f) as fh:
+            data = json.load(fh)
+        rows, width = data["rows"], 0.8 / len(PATHS)
+        for i, name in enumerate(PATHS):
+            ys = [r[name]["tokens_per_s"] if name in r else float("nan") for r in rows]
+            xs = [x + (i - len(PATHS) / 2 + 0.5) * width for x in range(len(rows))]
+            ax.bar(xs, ys, width, label=name)
+        ax.set_xticks(range(len(rows)), [f"C{r['C']}" for r in rows])
+        ax.set_yscale("log")
+        ax.set_ylabel("decode tokens/s (log)")
+        ax.set_title(data["header"].split(";")[0], fontsize=9)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
@@ -172,10 +200,14 @@ def main() -> int:
                     help="the op planned for 80 SMs of 96 KB (a V100's grids; the GPU stays whole)")  # fmt: skip
     ap.add_argument("--json", default=None)
     ap.add_argument("--report", default=None, help="print the table of a --json file")
+    ap.add_argument("--plot", nargs="+", default=None,
+                    help="with --report: PNG path, then --json files (one panel each)")  # fmt: skip
     args = ap.parse_args()
     if args.report:
         with open(args.report) as f:
             print(table(json.load(f)["rows"]))
+        if args.plot:
+            plot(args.plot[0], [args.report, *args.plot[1:]])
         return 0
     mod = sa.ops.load_cuda_kernels()
     if args.v100_grid:

@@ -5,11 +5,15 @@ the sm70attn attention) against stock (sdpa attention, float16 DynamicCache), th
 
     python tools/step_profile.py [--ctx 32768] [--layers 4] [--json out.json]
 
-Per path: the median wall time of a decode forward (a token, synchronized after each), and the
-host time of one (the forward enqueued with the GPU kept busy before it, so that the host never
-waits: the time the host needs to issue a step); the difference of ours and stock per layer is
-the host time our cache update and attention add. Then torch.profiler's table of the host-side
-ops of 20 of our steps, and cProfile's Python functions, printed for the reader.
+Per path, in --rounds rounds that alternate the paths (host timing drifts): the wall time of a
+decode forward (a token, synchronized after each), and the host time of one (the forward
+enqueued with the GPU kept busy before it, so that the host never waits: the time the host
+needs to issue a step); medians over every step of every round. The difference of ours and
+stock per layer is what our cache update and attention add. Then what a user of generate()
+sees: decode ms per token after the prompt (--new tokens, greedy), median of the rounds after a
+warm-up run of each path. Last, torch.profiler's table of the host-side ops of 10 of our steps
+and cProfile's Python functions, printed for the reader. Only the public API is used, so the
+same script times an older tree (PYTHONPATH=TREE).
 """
 
 from __future__ import annotations
@@ -52,28 +56,66 @@ def steps(model, cache, ids, ctx, n):
             yield wall * 1e3, host * 1e3
 
 
+def decode_ms(model, ids, cache, new) -> float:
+    """generate(): ms per token after the prompt's forward (a hook marks its end)."""
+    marks = []
+
+    def first(*_):
+        torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+        hook.remove()
+
+    hook = model.register_forward_hook(first)
+    try:
+        with torch.no_grad():
+            model.generate(
+                ids, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                disable_compile=True,
+            )  # fmt: skip
+    finally:
+        hook.remove()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - marks[0]) / (new - 1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     sa.ops.load_cuda_kernels()
     model = demo.build(torch.device("cuda"), a.layers)
     ids = demo.make_prompt(1, a.ctx, "cuda")
-    res = {"ctx": a.ctx, "layers": a.layers}
-    for name, impl, make in (
-        ("stock", "sdpa", DynamicCache),
-        ("ours", hf.NAME, lambda: hf.PagedE4M3Cache(model.config, max_tokens=a.ctx + 64)),
-    ):
-        model.set_attn_implementation(impl)
-        got = list(steps(model, make(), ids, a.ctx, a.steps))[3:]
+    res = {"ctx": a.ctx, "layers": a.layers, "tree": sa.__file__}
+    paths = (
+        ("stock", "sdpa", lambda: None),
+        ("ours", hf.NAME, lambda: hf.PagedE4M3Cache(model.config, max_tokens=a.ctx + 2 * a.new)),
+    )
+    got = {name: [] for name, *_ in paths}
+    for _ in range(a.rounds):
+        for name, impl, make in paths:
+            model.set_attn_implementation(impl)
+            got[name] += list(steps(model, make() or DynamicCache(), ids, a.ctx, a.steps))[3:]
+    for name in got:
         res[name] = {
-            "wall_ms": statistics.median(w for w, _ in got),
-            "host_ms": statistics.median(h for _, h in got),
+            "wall_ms": statistics.median(w for w, _ in got[name]),
+            "host_ms": statistics.median(h for _, h in got[name]),
         }
         print(name, res[name], flush=True)
+    gen = {name: [] for name, *_ in paths}
+    for r in range(a.rounds + 1):
+        for name, impl, make in paths:
+            model.set_attn_implementation(impl)
+            ms = decode_ms(model, ids, make(), a.new)
+            if r:  # the first round warms up
+                gen[name].append(ms)
+    res["generate_decode_ms_per_token"] = {k: statistics.median(v) for k, v in gen.items()}
+    res["generate_runs"] = gen
+    print("generate, decode ms/token:", res["generate_decode_ms_per_token"], flush=True)
     per_layer = {
         k: 1e3 * (res["ours"][k] - res["stock"][k]) / a.layers for k in ("wall_ms", "host_ms")
     }
