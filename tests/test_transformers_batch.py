@@ -275,3 +275,18 @@ def test_a_compiled_step_past_the_budget_raises_at_the_next_host_read(model):
     with pytest.raises(RuntimeError, match=r"\[0\] went past their 32 tokens.*not stored"):
         c.get_seq_length()
     assert c.get_seq_length() == 32  # stopped at the capacity
+
+
+def test_a_prompt_holding_the_pad_token_gets_the_fix(model):
+    """generate() derives a mask from pad_token_id when given none: a prompt holding that token
+    mid-sequence has a hole, refused with what to pass instead."""
+    ids = requests((20,))[0][None].clone()
+    saved = model.generation_config.pad_token_id
+    model.generation_config.pad_token_id = int(ids[0, 7])
+    try:
+        with pytest.raises(ValueError, match=r"attention_mask=torch.ones_like\(ids\)"):
+            gen(model, ids, cache(model))
+        got = gen(model, ids, cache(model), torch.ones_like(ids))  # the fix works
+    finally:
+        model.generation_config.pad_token_id = saved
+    assert torch.equal(got, gen(model, ids, cache(model)))
