@@ -290,3 +290,28 @@ def test_a_prompt_holding_the_pad_token_gets_the_fix(model):
     finally:
         model.generation_config.pad_token_id = saved
     assert torch.equal(got, gen(model, ids, cache(model)))
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_speculative_batch_with_an_assistant_model(model, same):
+    """Drafts from an assistant model instead of prompt lookup: the model itself (every draft
+    accepted) or another random one (few); each request's tokens are its greedy tokens alone."""
+    if same:
+        assistant = model
+    else:
+        torch.manual_seed(1)
+        cfg = tiny(hidden=128, heads=4, head_dim=64)
+        assistant = AutoModelForCausalLM.from_config(
+            cfg, attn_implementation=hf.NAME, dtype=torch.float16
+        )
+    prompts = requests(seed=9)
+    ids, mask = left_padded(prompts)
+    out = speculative.generate(
+        model, ids, mask, cache=cache(model, 4), max_new_tokens=16, drafts=3,
+        assistant=assistant, assistant_cache=cache(assistant, 4),
+    )  # fmt: skip
+    if same:
+        assert out.accepted[:-1] == [3.0] * (len(out.accepted) - 1), out.accepted
+    for b, p in enumerate(prompts):
+        alone = gen(model, p[None], cache(model), new=16)
+        assert torch.equal(out.tokens[b], alone[0]), (b, out.tokens[b], alone[0])

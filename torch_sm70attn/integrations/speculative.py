@@ -1,5 +1,5 @@
 """Batched speculative decoding for transformers models on a PagedE4M3Cache: each request of
-a batch drafts its own tokens (prompt lookup), one verify forward checks B x (drafts + 1) rows,
+a batch drafts its own tokens (prompt lookup, or an assistant model), one verify forward checks B x (drafts + 1) rows,
 each request accepts its own number of drafts (greedy acceptance) and the cache crops each
 request apart (`crop` with a tensor), so the batch stays on the device and in one graph per
 width. transformers' own assisted generation takes one request; this is the loop for several.
@@ -59,25 +59,29 @@ def generate(
     forward=None,
     eos_token_id: int | None = None,
     max_ngram: int = 3,
+    assistant=None,
+    assistant_cache=None,
+    assistant_forward=None,
 ) -> Output:
     """Greedy generation of max_new_tokens per request (fewer where eos_token_id comes first)
     with verify steps of drafts + 1 rows. input_ids [B, T], left padded where attention_mask
     [B, T] has zeros. cache: an empty PagedE4M3Cache with max_batch_size >= B; the prompt is
     refused before anything is stored unless each request's prompt + max_new_tokens + drafts
     fits. forward: what runs the verify steps (default: the model; e.g. torch.compile(model,
-    backend="sm70attn", fullgraph=True, mode="reduce-overhead")); the prompt runs eagerly."""
+    backend="sm70attn", fullgraph=True, mode="reduce-overhead")); the prompt runs eagerly.
+    assistant: a smaller model of the same vocabulary that drafts greedily instead of prompt
+    lookup, with its own empty PagedE4M3Cache (assistant_cache) and optionally a compiled
+    forward (assistant_forward); it runs drafts + 1 forwards of one row a step (the last
+    stores the last draft), so its cache holds what the model's does and both crop alike."""
     forward = model if forward is None else forward
     B, dev = input_ids.shape[0], input_ids.device
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(dev)
-    cache.reset()
-    reserve, cache.reserve = cache.reserve, max_new_tokens + drafts
-    try:
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        logits = model(
-            input_ids, attention_mask=mask, position_ids=pos, cache=cache, logits_to_keep=1
-        ).logits
-    finally:
-        cache.reserve = reserve
+    logits = _prompt(model, input_ids, mask, cache, max_new_tokens + drafts)
+    if assistant is not None:
+        if assistant_cache is None:
+            raise ValueError("speculative.generate: an assistant needs its own assistant_cache")
+        _prompt(assistant, input_ids, mask, assistant_cache, max_new_tokens + drafts)
+        assistant_forward = assistant if assistant_forward is None else assistant_forward
     last = logits[:, -1].argmax(-1).cpu()
     times, emitted = [time.perf_counter()], [[1] * B]
     history = [input_ids[b][mask[b].bool()].cpu() for b in range(B)]
@@ -88,19 +92,24 @@ def generate(
     rows = torch.arange(drafts + 1)
     while not all(done):
         ids = torch.empty(B, drafts + 1, dtype=torch.long)
-        for b in range(B):
-            seq = torch.cat([history[b], torch.tensor(out[b])])
-            d = prompt_lookup(seq, drafts, max_ngram)
-            ids[b, 0] = out[b][-1]
-            ids[b, 1:] = out[b][-1]  # a filler draft where lookup finds fewer
-            ids[b, 1 : 1 + d.numel()] = d
+        ids[:, 0] = torch.tensor([o[-1] for o in out])
+        if assistant is None:
+            for b in range(B):
+                seq = torch.cat([history[b], torch.tensor(out[b])])
+                d = prompt_lookup(seq, drafts, max_ngram)
+                ids[b, 1:] = out[b][-1]  # a filler draft where lookup finds fewer
+                ids[b, 1 : 1 + d.numel()] = d
+            ids_d = ids.to(dev)
+        else:
+            ids_d = _draft(assistant_forward, assistant_cache, ids[:, :1].to(dev), length, drafts)
         pos = length[:, None] + rows
-        g = forward(ids.to(dev), position_ids=pos.to(dev), cache=cache).logits.argmax(-1)
-        ids_d = ids.to(dev)
+        g = forward(ids_d, position_ids=pos.to(dev), cache=cache).logits.argmax(-1)
         match = (g[:, :drafts] == ids_d[:, 1:]).int().cumprod(1).sum(1)  # accepted drafts
         run = torch.tensor([not x for x in done], device=dev)
         keep = torch.where(run, match + 1, 0)  # a finished request keeps nothing
         cache.crop((keep - (drafts + 1)).int())
+        if assistant is not None:
+            assistant_cache.crop((keep - (drafts + 1)).int())
         g, keep, match = g.cpu(), keep.cpu(), match.cpu()
         steps += 1
         times.append(time.perf_counter())
@@ -119,3 +128,27 @@ def generate(
                     break
     tokens = [torch.tensor(o[:max_new_tokens]) for o in out]
     return Output(tokens, steps, accepted, emitted, times)
+
+
+def _prompt(model, input_ids, mask, cache, reserve: int) -> torch.Tensor:
+    """The prompt's forward (eager, left padding from mask): its last logits [B, 1, V]."""
+    cache.reset()
+    saved, cache.reserve = cache.reserve, reserve
+    try:
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        return model(
+            input_ids, attention_mask=mask, position_ids=pos, cache=cache, logits_to_keep=1
+        ).logits
+    finally:
+        cache.reserve = saved
+
+
+def _draft(forward, cache, last: torch.Tensor, length: torch.Tensor, drafts: int):
+    """[B, 1 + drafts] on the device: the last token, then the assistant's greedy drafts; it
+    stores all of them (drafts + 1 forwards of one row)."""
+    ids, pos = [last], length[:, None].to(last.device)
+    for i in range(drafts + 1):
+        logits = forward(ids[-1], position_ids=pos + i, cache=cache).logits
+        if i < drafts:
+            ids.append(logits[:, -1:].argmax(-1))
+    return torch.cat(ids, 1)
