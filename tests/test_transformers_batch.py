@@ -315,3 +315,60 @@ def test_speculative_batch_with_an_assistant_model(model, same):
     for b, p in enumerate(prompts):
         alone = gen(model, p[None], cache(model), new=16)
         assert torch.equal(out.tokens[b], alone[0]), (b, out.tokens[b], alone[0])
+
+
+def test_speculative_budget_holds_when_requests_finish_apart(model):
+    """A request that finishes early keeps stepping (cropped to nothing) while the others
+    run: prompt + max_new_tokens + drafts per request is enough (the review's case: a request
+    that keeps more accepted drafts than it still needs would grow past it)."""
+    ids, mask = left_padded(requests((41, 9), seed=11))
+    c = hf.PagedE4M3Cache(model.config, max_tokens=2 * 64, max_batch_size=2, k_scale=KS, v_scale=VS)
+    out = speculative.generate(model, ids, mask, cache=c, max_new_tokens=16, drafts=7)
+    assert [len(t) for t in out.tokens] == [16, 16]
+    assert int(c._lens.max()) <= 41 + 16 - 1 and not c._full.any()
+
+
+def test_short_prompts_are_checked_too(model):
+    """A first forward of 16 rows or fewer takes the decode route; the padding and reserve
+    checks still run before anything is stored."""
+    c = cache(model, 2, reserve=200)
+    ids, mask = left_padded(requests((6, 3)))
+    with pytest.raises(RuntimeError, match=r"reserve 200"):
+        with torch.no_grad():
+            model(ids, attention_mask=mask, cache=c)
+    mask[1, 4] = 0  # a hole
+    with pytest.raises(ValueError, match="only left padding"):
+        with torch.no_grad():
+            model(ids, attention_mask=mask, cache=cache(model, 2))
+
+
+def test_reset_warns_about_an_unreported_overflow(model):
+    c = hf.PagedE4M3Cache(model.config, max_tokens=32, k_scale=KS, v_scale=VS)
+    ids = requests((30,))[0][None]
+    with torch.no_grad():
+        model(ids, cache=c)
+        model(ids[:, :4], cache=c, position_ids=torch.arange(30, 34)[None])  # 34 > 32
+    with pytest.warns(UserWarning, match=r"\[0\] had gone past their 32 tokens"):
+        c.reset()
+    assert c.get_seq_length() == 0
+
+
+def test_checkpoint_scales_of_several_stacks_need_a_prefix(tmp_path):
+    from safetensors.torch import save_file
+
+    def t(x):
+        return torch.tensor(x)
+
+    save_file(
+        {
+            "model.layers.0.self_attn.k_scale": t(0.05),
+            "model.layers.0.self_attn.v_scale": t(0.05),
+            "model.vision_tower.layers.0.self_attn.k_scale": t(0.1),
+            "model.vision_tower.layers.0.self_attn.v_scale": t(0.1),
+        },
+        str(tmp_path / "m.safetensors"),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="several prefixes"):
+        hf.kv_scales_from_checkpoint(tmp_path)
+    ks, vs = hf.kv_scales_from_checkpoint(tmp_path, prefix="model.")
+    assert [k.item() for k in ks] == pytest.approx([0.05])

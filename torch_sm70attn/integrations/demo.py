@@ -93,7 +93,8 @@ def _lookup(model, ids, cache, new, draft, forward=None):
 
     t0 = _now(ids.device)
     out = generate(model, ids, cache=cache, max_new_tokens=new, drafts=draft, forward=forward)
-    per_step = sum(map(sum, out.emitted[1:])) / (out.steps * ids.shape[0])
+    running = sum(sum(n > 0 for n in step) for step in out.emitted[1:])  # a running request
+    per_step = sum(map(sum, out.emitted[1:])) / max(running, 1)  # emits >= 1 a step
     seqs = torch.stack(out.tokens).to(ids.device)
     return seqs, None, (out.times[0] - t0, out.times[-1] - out.times[0]), per_step
 

@@ -1,7 +1,7 @@
 """Batched speculative decoding for transformers models on a PagedE4M3Cache: each request of
-a batch drafts its own tokens (prompt lookup, or an assistant model), one verify forward checks B x (drafts + 1) rows,
-each request accepts its own number of drafts (greedy acceptance) and the cache crops each
-request apart (`crop` with a tensor), so the batch stays on the device and in one graph per
+a batch drafts its own tokens (prompt lookup, or an assistant model), one verify forward
+checks B x (drafts + 1) rows, each request accepts its own number of drafts (greedy
+acceptance) and the cache crops each request apart (`crop` with a tensor), so the batch stays on the device and in one graph per
 width. transformers' own assisted generation takes one request; this is the loop for several.
 
     cache = PagedE4M3Cache(model.config, max_tokens=B * (prompt + new + 16), max_batch_size=B)
@@ -14,7 +14,8 @@ first mismatch (a_b of them) and emits a_b + 1 tokens. Greedy acceptance emits t
 greedy decoding would, up to near-ties: a verify forward's GEMMs have more rows than a
 decode step's and round differently, so where two logits are within about 1e-3 the argmax
 can differ from a one-row step's. The tokens of one run are checked against greedy by
-tests/test_transformers.py, not promised.
+tests/test_transformers_batch.py (CPU) and tests/test_transformers_cuda.py (GPU), not
+promised.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def generate(
     lookup, with its own empty PagedE4M3Cache (assistant_cache) and optionally a compiled
     forward (assistant_forward); it runs drafts + 1 forwards of one row a step (the last
     stores the last draft), so its cache holds what the model's does and both crop alike."""
+    if max_new_tokens < 1 or drafts < 1:
+        raise ValueError("speculative.generate: need max_new_tokens >= 1 and drafts >= 1")
+    eos = set() if eos_token_id is None else set(torch.tensor(eos_token_id).reshape(-1).tolist())
     forward = model if forward is None else forward
     B, dev = input_ids.shape[0], input_ids.device
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(dev)
@@ -87,7 +91,7 @@ def generate(
     history = [input_ids[b][mask[b].bool()].cpu() for b in range(B)]
     out = [[int(last[b])] for b in range(B)]
     length = mask.sum(1).cpu()  # tokens in the cache per request
-    done = [max_new_tokens <= 1 or out[b][0] == eos_token_id for b in range(B)]
+    done = [max_new_tokens <= 1 or out[b][0] in eos for b in range(B)]
     steps, accepted = 0, []
     rows = torch.arange(drafts + 1)
     while not all(done):
@@ -105,12 +109,18 @@ def generate(
         pos = length[:, None] + rows
         g = forward(ids_d, position_ids=pos.to(dev), cache=cache).logits.argmax(-1)
         match = (g[:, :drafts] == ids_d[:, 1:]).int().cumprod(1).sum(1)  # accepted drafts
-        run = torch.tensor([not x for x in done], device=dev)
-        keep = torch.where(run, match + 1, 0)  # a finished request keeps nothing
+        # what each request keeps: the last token and its accepted drafts, no more than it
+        # still needs (so a request never holds more than prompt + max_new_tokens - 1 between
+        # steps); a finished request keeps nothing
+        need = torch.tensor(
+            [0 if d else max_new_tokens - len(o) for d, o in zip(done, out, strict=True)]
+        )
+        keep = torch.minimum(match + 1, need.to(dev))
         cache.crop((keep - (drafts + 1)).int())
         if assistant is not None:
             assistant_cache.crop((keep - (drafts + 1)).int())
         g, keep, match = g.cpu(), keep.cpu(), match.cpu()
+        cache.check()  # a request past its pages raises here (not expected: reserve covers it)
         steps += 1
         times.append(time.perf_counter())
         accepted.append(float(match[~torch.tensor(done)].float().mean()))
@@ -123,7 +133,7 @@ def generate(
             for t in new:
                 out[b].append(t)
                 emitted[-1][b] += 1
-                if len(out[b]) >= max_new_tokens or t == eos_token_id:
+                if len(out[b]) >= max_new_tokens or t in eos:
                     done[b] = True
                     break
     tokens = [torch.tensor(o[:max_new_tokens]) for o in out]

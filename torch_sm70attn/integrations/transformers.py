@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 import torch_sm70attn as sa
-from torch_sm70attn.manifest import MANIFEST, admitted_capacity
+from torch_sm70attn.manifest import MANIFEST, admitted_capacity, contract
 
 NAME = "sm70attn"  # no "flash" in it: transformers would look for a flash-attention package
 FP8 = torch.float8_e4m3fn
@@ -74,29 +74,39 @@ def _warn_once(key: str, msg: str) -> None:
 
 
 # --- scales ------------------------------------------------------------------------------------
-_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?(k|v|kv)_scale$")
+_SCALE_NAME = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?(k|v|kv)_scale$")
 
 
-def kv_scales_from_checkpoint(path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def kv_scales_from_checkpoint(
+    path, prefix: str | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The per-layer KV-cache scales a quantized checkpoint carries, under the names vLLM reads:
     `model.layers.{i}.self_attn.k_scale` / `v_scale` (compressed-tensors, llm-compressor),
     `self_attn.k_proj.k_scale` / `self_attn.v_proj.v_scale` (ModelOpt), or the older
     `self_attn.kv_scale` for both. Each is the dequantization multiplier (x = e4m3 * scale), a
-    scalar or one per KV head. path: a folder of *.safetensors files or one file. Returns
-    (k_scales, v_scales), one float32 tensor per layer, for PagedE4M3Cache(k_scale=, v_scale=)."""
+    scalar or one per KV head. path: a folder of *.safetensors files or one file. prefix: what
+    precedes "layers.N." in the names of the language model's layers (needed only where
+    several stacks carry scales, e.g. a vision tower). Returns (k_scales, v_scales), one
+    float32 tensor per layer, for PagedE4M3Cache(k_scale=, v_scale=)."""
     from safetensors import safe_open
 
     path = Path(path)
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    found: dict[tuple[int, str], torch.Tensor] = {}
+    stacks: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
     for f in files:
         with safe_open(str(f), "pt") as fh:
             for key in fh.keys():
-                m = _SCALE_NAME.search(key)
-                if m:
+                m = _SCALE_NAME.match(key)
+                if m and (prefix is None or m[1] == prefix):
                     t = fh.get_tensor(key).float().reshape(-1)
-                    for which in ("k", "v") if m[2] == "kv" else (m[2],):
-                        found[(int(m[1]), which)] = t
+                    for which in ("k", "v") if m[3] == "kv" else (m[3],):
+                        stacks.setdefault(m[1], {})[(int(m[2]), which)] = t
+    if len(stacks) > 1:
+        raise ValueError(
+            f"{path}: KV-cache scales under several prefixes {sorted(stacks)}: pass "
+            "prefix= the language model's"
+        )
+    found = next(iter(stacks.values()), {})
     if not found:
         raise ValueError(
             f"no KV-cache scales in {path} ({len(files)} safetensors files; looked for "
@@ -252,21 +262,31 @@ class PagedE4M3Cache(Cache):
         self._config = cfg  # for the attention implementation in error messages
         self._table = self._lens = None  # device [B, pages] int32 and [B] int32
         self._full = self._full_host = None  # device [B] bool: the request went past its pages
+        self._step, self._empty = None, True  # the eager forward's slots; no forward since reset
         self._offsets = {}  # Q -> device [B, Q] int64: slot of row r of request b, less its length
         self._pending = None  # the layer whose attention has not read the cache yet
         self._calibrate = None  # headroom while calibrate() runs
         self.saturated = [0, 0]  # K and V values stored at +-448 by prompt forwards, of
         self.counted = 0  # this many values each
-        self._warned = False
+        self._warned, self._sat = False, []
 
     # -- lengths ---------------------------------------------------------------------------------
     def reset(self):
-        """Empty every request (the pools, scales, table and their addresses stay)."""
+        """Empty every request (the pools, scales, table and their addresses stay). Warns if a
+        request went past its pages since the last check (its last tokens were not stored)."""
+        self._pending, self._step, self._empty = None, None, True
+        self._sat.clear()
         if self._lens is not None:
+            full = self._full.tolist()
+            if any(full):
+                warnings.warn(
+                    f"PagedE4M3Cache.reset: request(s) {[b for b, f in enumerate(full) if f]} "
+                    f"had gone past their {self.limit()} tokens: the tokens past it were not "
+                    "stored and the outputs after that point are wrong; raise max_tokens",
+                    stacklevel=2,
+                )
             self._lens.zero_()
-            self._full.zero_()
-            if self._full_host is not None:
-                self._full_host.zero_()
+            self._clear_full()
 
     def get_seq_length(self, layer_idx: int = 0):
         """Tokens held by the longest request: an int (a device read); a 0-d tensor while
@@ -295,8 +315,13 @@ class PagedE4M3Cache(Cache):
         return [False] * len(self.layers)
 
     def capacity(self) -> int:
-        """Tokens each request of the current batch can hold (0 before the first forward)."""
+        """Tokens each request's pages hold (0 before the first forward)."""
         return 0 if self._table is None else self._table.shape[1] * self.page_size
+
+    def limit(self) -> int:
+        """Tokens each request of the current batch may hold: its pages, within the kernels'
+        contract (a table may address part of a page more)."""
+        return min(self.capacity(), contract())
 
     def check(self) -> None:
         """Raise if a step went past a request's pages (reads the device)."""
@@ -316,12 +341,16 @@ class PagedE4M3Cache(Cache):
         self._raise_full(self._full_host.tolist())
         self._full_host.copy_(self._full, non_blocking=True)
 
+    def _clear_full(self) -> None:
+        self._full.zero_()
+        if self._full_host is not None:  # no copy of the old flag may land after this
+            torch.cuda.current_stream(self._full.device).synchronize()
+            self._full_host.zero_()
+
     def _raise_full(self, full: list[bool]) -> None:
         if any(full):
-            cap, B = self.capacity(), self._table.shape[0]
-            self._full.zero_()
-            if self._full_host is not None:
-                self._full_host.zero_()
+            cap, B = self.limit(), self._table.shape[0]
+            self._clear_full()
             which = [b for b, f in enumerate(full) if f]
             raise RuntimeError(
                 f"PagedE4M3Cache is full: request(s) {which} went past their {cap} tokens "
@@ -366,6 +395,7 @@ class PagedE4M3Cache(Cache):
                 for pool in (layer.keys.view(torch.uint8), layer.values.view(torch.uint8)):
                     pool[dst] = pool[src]
         self._lens.copy_(self._lens[beam_idx])
+        self._full.copy_(self._full[beam_idx])
 
     # -- calibration -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -378,11 +408,14 @@ class PagedE4M3Cache(Cache):
             attention_mask = torch.ones_like(input_ids)
         pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         self.reset()
-        self._calibrate = headroom
+        self._calibrate, reserve, self.reserve = headroom, self.reserve, 0
         try:
-            model(input_ids, attention_mask=attention_mask, position_ids=pos, cache=self)
+            model(
+                input_ids, attention_mask=attention_mask, position_ids=pos, cache=self,
+                logits_to_keep=1,
+            )  # fmt: skip
         finally:
-            self._calibrate = None
+            self._calibrate, self.reserve = None, reserve
             self.reset()
         return self
 
@@ -406,7 +439,7 @@ class PagedE4M3Cache(Cache):
         self._table = torch.arange(B * W, dtype=torch.int32, device=device).view(B, W)
         self._lens = torch.zeros(B, dtype=torch.int32, device=device)
         self._full = torch.zeros(B, dtype=torch.bool, device=device)
-        self._full_host, self._offsets = None, {}
+        self._full_host, self._offsets, self._pending, self._step = None, {}, None, None
         _static(self._table, self._lens, self._full)
 
     def _prompt_checks(self, Q: int, valid) -> tuple[int, bool]:
@@ -428,15 +461,20 @@ class PagedE4M3Cache(Cache):
             n = valid.sum(1).tolist()
         need = [a + b for a, b in zip(lens, n, strict=True)]
         fresh = not any(lens) and all(k == Q for k in n)
-        cap, B, ps = self.capacity(), len(lens), self.page_size
+        cap, B, ps = self.limit(), len(lens), self.page_size
         reserve = self.reserve if not any(lens) else 0
         if max(need) + reserve > cap:
-            want = B * ps * -(-(max(need) + reserve) // ps)
+            want = max(need) + reserve
+            fix = (
+                f"the kernels serve at most {contract()} tokens a request"
+                if want > contract()
+                else f"use max_tokens >= {B * ps * -(-want // ps)}"
+            )
             raise RuntimeError(
                 f"PagedE4M3Cache is full: a request needs {max(need)} tokens"
                 + (f" + reserve {reserve}" if reserve else "")
-                + f", each of the {B} requests holds {cap} (max_tokens / batch): use "
-                f"max_tokens >= {want}; nothing was stored"
+                + f", each of the {B} requests holds {cap} (max_tokens / batch): {fix}; "
+                "nothing was stored"
             )
         return -(-max(need) // ps), fresh
 
@@ -444,7 +482,7 @@ class PagedE4M3Cache(Cache):
         """Layer 0 of a forward: each request's real new tokens. A request they would take
         past its pages stops at its capacity and is marked full (raised at the next host
         check); a full request stores nothing more."""
-        cap = self.capacity()
+        cap = self.limit()
         self._lens.add_(Q if valid is None else valid.sum(1, dtype=torch.int32))
         over = self._lens > cap
         self._lens.clamp_(max=cap)
@@ -514,15 +552,19 @@ class PagedE4M3Cache(Cache):
             pages, fresh = None, False
             if not compiling:
                 self._poll()
-                if Q > MAX_ROWS:
+                if Q > MAX_ROWS or self._empty:  # a prompt or prefill: one device read
                     pages, fresh = self._prompt_checks(Q, valid)
+                    pages = pages if Q > MAX_ROWS else None
+                self._empty = False
             self._advance(Q, valid)
             if not compiling:  # every layer of an eager forward reuses them
                 self._step = (self._slots(Q, valid), pages, fresh)
-        if compiling:  # no tensor kept on self: every layer computes them
+        if compiling or self._step is None:  # (compiled: no tensor kept on self)
             slots, pages, fresh = self._slots(Q, valid), None, False
         else:
             slots, pages, fresh = self._step
+            if layer_idx == len(self.layers) - 1:
+                self._step = None  # a later layer 0 that runs compiled cannot leave it stale
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
@@ -533,7 +575,7 @@ class PagedE4M3Cache(Cache):
         sa.store_kv(
             k, v, layer.keys, layer.values, slots, k_scale=layer.k_scale, v_scale=layer.v_scale
         )
-        if Q > MAX_ROWS and not compiling:
+        if Q > MAX_ROWS and not compiling and self._calibrate is None:
             self._count(layer_idx, key_states, value_states, valid, layer)
         return (
             layer.keys,
@@ -559,39 +601,46 @@ class PagedE4M3Cache(Cache):
         )
 
     def _count(self, layer_idx, key_states, value_states, valid, layer) -> None:
-        """Saturated values of a prompt forward; a warning once per cache with the fraction."""
+        """Saturated values of a prompt forward, counted on the device (one read at the last
+        layer); a warning once per cache with the fraction."""
         B, H, Q, D = key_states.shape
-        for i, (x, s) in enumerate(((key_states, layer.k_scale), (value_states, layer.v_scale))):
-            over = x.detach().float().abs() > E4M3_MAX * s.view(1, -1, 1, 1)
+        for x, s in ((key_states, layer.k_scale), (value_states, layer.v_scale)):
+            over = x.abs() > (E4M3_MAX * s).to(x.dtype).view(1, -1, 1, 1)
             if valid is not None:
                 over &= valid[:, None, :, None]
-            self.saturated[i] += int(over.sum())
+            self._sat.append(over.sum())
         self.counted += H * D * (B * Q if valid is None else int(valid.sum()))
-        if layer_idx == len(self.layers) - 1 and any(self.saturated) and not self._warned:
-            self._warned = True
-            frac = [f"{s / max(self.counted, 1):.3%}" for s in self.saturated]
-            warnings.warn(
-                f"PagedE4M3Cache: {frac[0]} of the K and {frac[1]} of the V values stored so "
-                "far saturated at 448 x scale (larger than the scales allow). Calibrate on "
-                "representative text (cache.calibrate(model, ids)) or give larger scales",
-                stacklevel=4,
-            )
+        if layer_idx == len(self.layers) - 1:
+            got = torch.stack(self._sat).view(-1, 2).sum(0).tolist()
+            self._sat.clear()
+            self.saturated = [a + b for a, b in zip(self.saturated, got, strict=True)]
+            if any(self.saturated) and not self._warned:
+                self._warned = True
+                frac = [f"{n / max(self.counted, 1):.3%}" for n in self.saturated]
+                warnings.warn(
+                    f"PagedE4M3Cache: {frac[0]} of the K and {frac[1]} of the V values stored "
+                    "so far saturated at 448 x scale (larger than the scales allow). Calibrate "
+                    "on representative text (cache.calibrate(model, ids)) or give larger scales",
+                    stacklevel=4,
+                )
 
 
 # --- the attention -----------------------------------------------------------------------------
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention: query [B, H_q, Q, D]; returns ([B, Q, H_q, D], None)."""
+    paged = kwargs.get(NAME)
+    if paged is not None and not torch.compiler.is_compiling():
+        paged[0]._pending = None  # this attention reads the cache (or raises below)
     if dropout:
         raise ValueError("sm70attn attention: dropout is not supported (use model.eval())")
-    paged = kwargs.get(NAME)
     if paged is None:
         return _unpaged(query, key, value, attention_mask, scaling), None
+    cache, layer_idx = paged
     if query.dtype != torch.float16:
         raise TypeError(
             f"sm70attn attention needs a float16 model, got {query.dtype}: load it with "
             "dtype=torch.float16"
         )
-    cache, layer_idx = paged
     kc, vc, table, lens, ks, vs, pages, fresh, valid = cache.store(
         layer_idx, key, value, attention_mask
     )
