@@ -231,11 +231,14 @@ class PagedE4M3Cache(Cache):
     warn once with the fraction.
 
     State on the device: the block table (fixed once the batch is known), the lengths [B]
-    int32 and an overflow flag; a forward reads nothing from the host, so a compiled decode or
-    verify step has no graph break and replays as a CUDA graph. A decode or verify step past a
-    request's pages (eager or compiled) stores nothing out of bounds: the flag records it and
-    the next eager forward, `get_seq_length()` or `check()` raises. A prompt or prefill forward
-    (eager) checks before it stores.
+    int32 and a per-request full flag; a decode or verify forward reads nothing from the host,
+    so a compiled step has no graph break and replays as a CUDA graph. A step past a request's
+    pages (eager or compiled) stores nothing out of bounds: the flag records it, and the next
+    host check raises (`check()`, `get_seq_length()`, the next eager forward, or generate()'s
+    mask call before each step, a step or two late since it does not wait for the GPU);
+    `reset()` warns about a flag nobody read. The first forward after a reset, and any eager
+    forward of more than 16 rows, is checked on the host before it stores (the padding on the
+    left; every request within its pages and the reserve).
     """
 
     def __init__(
