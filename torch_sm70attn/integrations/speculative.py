@@ -58,7 +58,7 @@ def generate(
     max_new_tokens: int,
     drafts: int = 7,
     forward=None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     max_ngram: int = 3,
     assistant=None,
     assistant_cache=None,
@@ -121,6 +121,8 @@ def generate(
             assistant_cache.crop((keep - (drafts + 1)).int())
         g, keep, match = g.cpu(), keep.cpu(), match.cpu()
         cache.check()  # a request past its pages raises here (not expected: reserve covers it)
+        if assistant is not None:
+            assistant_cache.check()
         steps += 1
         times.append(time.perf_counter())
         accepted.append(float(match[~torch.tensor(done)].float().mean()))
