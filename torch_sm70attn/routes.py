@@ -70,9 +70,13 @@ def dtype_refusal(query, key_cache) -> str | None:
 
 def shape_refusal(query, key_cache, block_table=None, served_capacity=None) -> str | None:
     """Why the manifest does not admit these shapes/dtypes/strides, or None."""
-    why = dtype_refusal(query, key_cache)
-    if why:
-        return why
+    return dtype_refusal(query, key_cache) or _layout_refusal(
+        query, key_cache, block_table, served_capacity
+    )
+
+
+def _layout_refusal(query, key_cache, block_table, served_capacity) -> str | None:
+    """shape_refusal past the dtypes: head dim, group size, rows, capacity, alignment."""
     _, H_q, Q, D = query.shape
     _, page_size, H_kv, _ = key_cache.shape
     if D not in MANIFEST.head_dims:
@@ -105,7 +109,9 @@ def admit(query, key_cache, block_table=None, *, served_capacity=None) -> Admiss
     why = dtype_refusal(query, key_cache)
     if why:
         return Admission(UNSUPPORTED, why + ": paged_attention raises TypeError")
-    reason = _device_refusal(query) or shape_refusal(query, key_cache, block_table, served_capacity)
+    reason = _device_refusal(query) or _layout_refusal(
+        query, key_cache, block_table, served_capacity
+    )
     if reason is None:
         return Admission(CUDA, "admitted")
     return Admission(REFERENCE, reason)

@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from .transformers import positions
+
 
 @dataclasses.dataclass
 class Output:
@@ -147,10 +149,10 @@ def _prompt(model, input_ids, mask, cache, reserve: int) -> torch.Tensor:
     cache.reset()
     saved, cache.reserve = cache.reserve, reserve
     try:
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         return model(
-            input_ids, attention_mask=mask, position_ids=pos, cache=cache, logits_to_keep=1
-        ).logits
+            input_ids, attention_mask=mask, position_ids=positions(mask), cache=cache,
+            logits_to_keep=1,
+        ).logits  # fmt: skip
     finally:
         cache.reserve = saved
 

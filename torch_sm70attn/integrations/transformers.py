@@ -151,6 +151,12 @@ def _calibrated(x: torch.Tensor, valid, headroom: float) -> torch.Tensor:
     return torch.where(amax > 0, amax / E4M3_MAX * headroom, 1.0).contiguous()
 
 
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """position_ids of a left-padded batch as generate() computes them: each request's real
+    tokens count from 0 (padding gets 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def _static(*tensors) -> None:
     """Tell torch.compile these tensors keep their address (CUDA graphs read them in place).
     Unguarded: a new cache of the same shapes reuses the compiled graph (CUDA graphs are
@@ -308,8 +314,9 @@ class PagedE4M3Cache(Cache):
         return self.num_pages * self.page_size
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """The mask function gets the new tokens' columns of the padding mask (see _mask);
-        called on the host before every step by generate(), so the overflow flag is polled."""
+        """The mask function gets the new tokens' columns of the padding mask (see _mask).
+        transformers calls this on the host before every forward (generate()'s compiled steps
+        too), so the overflow flag is polled here."""
         self._poll()
         return query_length, 0
 
@@ -409,7 +416,7 @@ class PagedE4M3Cache(Cache):
         self, empty."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        pos = positions(attention_mask)
         self.reset()
         self._calibrate, reserve, self.reserve = headroom, self.reserve, 0
         try:
@@ -453,6 +460,7 @@ class PagedE4M3Cache(Cache):
         lens = self._lens.tolist()
         if valid is None:
             n = [Q] * len(lens)
+            self._real = Q * len(lens)
         else:
             if bool((valid[:, 1:] < valid[:, :-1]).any()):
                 raise ValueError(
@@ -462,6 +470,7 @@ class PagedE4M3Cache(Cache):
                     "attention_mask=torch.ones_like(ids)"
                 )
             n = valid.sum(1).tolist()
+        self._real = sum(n)  # real tokens of this forward (_count)
         need = [a + b for a, b in zip(lens, n, strict=True)]
         fresh = not any(lens) and all(k == Q for k in n)
         cap, B, ps = self.limit(), len(lens), self.page_size
@@ -554,7 +563,6 @@ class PagedE4M3Cache(Cache):
                 self._allocate(B, key_states.device)
             pages, fresh = None, False
             if not compiling:
-                self._poll()
                 if Q > MAX_ROWS or self._empty:  # a prompt or prefill: one device read
                     pages, fresh = self._prompt_checks(Q, valid)
                     pages = pages if Q > MAX_ROWS else None
@@ -593,26 +601,27 @@ class PagedE4M3Cache(Cache):
         )
 
     def _scales(self, layer, key_states, value_states, valid) -> None:
+        """The user's scales, else (and always while calibrate() runs) calibrated from x."""
         H, dev = key_states.shape[1], key_states.device
-        gk, gv = layer.given
         head = HEADROOM if self._calibrate is None else self._calibrate
-        k = _as_scale(gk, H, dev) if gk is not None and self._calibrate is None else None
-        v = _as_scale(gv, H, dev) if gv is not None and self._calibrate is None else None
-        layer.set_scales(
-            k if k is not None else _calibrated(key_states, valid, head),
-            v if v is not None else _calibrated(value_states, valid, head),
+        k, v = (
+            _as_scale(given, H, dev)
+            if given is not None and self._calibrate is None
+            else _calibrated(x, valid, head)
+            for given, x in zip(layer.given, (key_states, value_states), strict=True)
         )
+        layer.set_scales(k, v)
 
     def _count(self, layer_idx, key_states, value_states, valid, layer) -> None:
         """Saturated values of a prompt forward, counted on the device (one read at the last
         layer); a warning once per cache with the fraction."""
-        B, H, Q, D = key_states.shape
+        H, D = key_states.shape[1], key_states.shape[3]
         for x, s in ((key_states, layer.k_scale), (value_states, layer.v_scale)):
             over = x.abs() > (E4M3_MAX * s).to(x.dtype).view(1, -1, 1, 1)
             if valid is not None:
                 over &= valid[:, None, :, None]
             self._sat.append(over.sum())
-        self.counted += H * D * (B * Q if valid is None else int(valid.sum()))
+        self.counted += H * D * self._real
         if layer_idx == len(self.layers) - 1:
             got = torch.stack(self._sat).view(-1, 2).sum(0).tolist()
             self._sat.clear()
