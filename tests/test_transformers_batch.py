@@ -372,16 +372,3 @@ def test_checkpoint_scales_of_several_stacks_need_a_prefix(tmp_path):
         hf.kv_scales_from_checkpoint(tmp_path)
     ks, vs = hf.kv_scales_from_checkpoint(tmp_path, prefix="model.")
     assert [k.item() for k in ks] == pytest.approx([0.05])
-
-
-def test_left_padded_batch_equals_stock_over_the_same_values(model):
-    """The same padded batch through transformers' stock sdpa attention over a DynamicCache
-    holding what the paged cache holds (e4m3(x / scale) * scale): the same greedy tokens."""
-    ids, mask = left_padded(requests((5, 60, 23, 41), seed=12))
-    ours = gen(model, ids, cache(model, 4), mask, new=16)
-    model.set_attn_implementation("sdpa")
-    try:
-        stock = gen(model, ids, QuantizedDynamicCache(), mask, new=16)
-    finally:
-        model.set_attn_implementation(hf.NAME)
-    assert torch.equal(ours, stock), (ours, stock)
