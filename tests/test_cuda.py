@@ -198,9 +198,9 @@ def test_each_kernel_kind_on_rising_scores(record, kernel_override, kind):
 
 
 def test_default_kernel_kind_by_gpu_and_capacity(kernel_override):
-    """auto: the register-fragment m8n8k4 kernel for D 256 in CTAs of 3 row blocks from a cache
-    of 64K tokens on a V100 (SM 7.0), the WMMA kernel otherwise (traits.h attn_default_kind),
-    as the V100 model assumes (tools/v100_model.py default_kind)."""
+    """auto: the register-fragment m8n8k4 kernel for D 256 in CTAs of 2 row blocks from a cache
+    of 64K tokens and of 3 from 128K on a V100 (SM 7.0), the WMMA kernel otherwise (traits.h
+    attn_default_kind), as the V100 model assumes (tools/v100_model.py default_kind)."""
     import sys
     from pathlib import Path
 
@@ -210,17 +210,20 @@ def test_default_kernel_kind_by_gpu_and_capacity(kernel_override):
     kernel_override("auto")
     mod = ops.load_cuda_kernels()
     v100 = torch.cuda.get_device_capability() == (7, 0)
-    # (capacity, Q, G): 48 rows (MB3) at and below 64K, 96 rows (two row groups of MB3), 24 and
-    # 32 rows (MB2)
+    # (capacity, Q, G): 48 rows (MB3) at and below 128K, 96 rows (two row groups of MB3), 24
+    # and 32 rows (MB2) at and below 64K
     for cap, Q, G in (
+        (131072, 8, 6),
+        (131071, 8, 6),
         (65536, 8, 6),
-        (65535, 8, 6),
         (1 << 18, 16, 6),
         (1 << 18, 4, 6),
         (1 << 18, 8, 4),
+        (65536, 4, 6),
+        (65535, 4, 6),
     ):
         pl = mod.plan(1, G, 1, Q, 256, cap)
-        rf = v100 and pl["mb"] == 3 and cap >= 65536
+        rf = v100 and ((pl["mb"] == 2 and cap >= 65536) or (pl["mb"] == 3 and cap >= 131072))
         assert pl["kernel"] == ("rf-m8n8k4" if rf else "wmma"), (cap, Q, G, pl)
         arch = "sm_70" if v100 else "sm_90"
         assert vm.default_kind(arch, 256, pl["mb"], cap) == ("rf" if rf else "wmma")

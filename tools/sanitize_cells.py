@@ -6,7 +6,7 @@
 
 The kernels are the lists of csrc/sm70attn/static_switch.h (as torch_sm70attn.nvrtc reads
 them): each attention kernel (D, MB, VEC) twice, with one split (fp16 output straight from the
-kernel) and with several (fp32 partials), the WMMA kernel and each atom of the
+kernel) and with several (fp16 partials), the WMMA kernel and each atom of the
 register-fragment one (set_kernel_override; m16n8k16 on SM80+), and each combine kernel (D, WPR) through a decode
 long enough for its split count; store_kv on both of its paths. The plan the binding makes for
 each cell is read back (its `plan()` hook) and the run fails unless every listed kernel was

@@ -8,8 +8,8 @@
 //   8 lanes per row) -> P fp16 over S | O = alpha * O + P V (WMMA, O in registers).
 // Four barriers per tile; five where S shares the K tile's memory (traits.h: S_ALIAS). The
 // next tile's global loads are issued before the math of the current one (register staging,
-// kv_tile.h). The split writes fp16 out directly (num_splits == 1) or fp32 partials (row max,
-// row sum, unnormalised O) for combine.cuh.
+// kv_tile.h). The split writes fp16 out directly (num_splits == 1) or partials for combine.cuh
+// (row max, row sum, and O in fp16 over the sum's power of two: utils.h, partial_scale).
 // D is permuted within groups of 4 in shared memory (Q, K, V and O alike; e4m3.h).
 //
 // Few rows (decode, G * Q <= 16) use this same kernel with the rows padded to 16: padding
@@ -67,17 +67,17 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   const int t_begin = (int)min((i64)len, (i64)split * chunk);
   const int t_end = min(len, t_begin + chunk);
 
+  // Where local row lr goes: out, or with splits the split's fp16 partial row (params.h).
+  auto dst_row = [&](int lr) {
+    return p.num_splits == 1 ? p.out + (out_row0 + lr) * D : p.part_acc + ((out_row0 + lr) * p.num_splits + split) * D;
+  };
+
   if (t_begin >= t_end) {  // nothing to see: zero rows, or an empty partial (m = -inf, l = 0, O = 0)
-    if (p.num_splits == 1) {
-      for (int c = tid; c < nrows * (D / 8); c += KT::THREADS)
-        *reinterpret_cast<uint4*>(p.out + (out_row0 + c / (D / 8)) * D + c % (D / 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
-    } else {
-      for (int c = tid; c < nrows * (D / 4); c += KT::THREADS)
-        *reinterpret_cast<float4*>(p.part_acc + ((out_row0 + c / (D / 4)) * p.num_splits + split) * D + c % (D / 4) * 4) =
-            make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c = tid; c < nrows * (D / 8); c += KT::THREADS)
+      *reinterpret_cast<uint4*>(dst_row(c / (D / 8)) + c % (D / 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
+    if (p.num_splits > 1)
       for (int lr = tid; lr < nrows; lr += KT::THREADS)
         p.part_ml[(out_row0 + lr) * p.num_splits + split] = make_float2(neg_inf(), 0.f);
-    }
     return;
   }
 
@@ -305,8 +305,8 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     }
   }
 
-  // Epilogue: O -> smem (fp32) -> coalesced rows of out (fp16, normalised, * v_scale * 2^8)
-  // or of the fp32 partials.
+  // Epilogue: O -> smem (fp32) -> coalesced fp16 rows of out (normalised, * v_scale * 2^8) or of
+  // the split's partials (params.h).
   if (REGS && gl == 0) {
 #pragma unroll
     for (int k = 0; k < RP; ++k) {
@@ -333,14 +333,16 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
                      pack_half2(e1.x * f, e1.z * f), pack_half2(e1.y * f, e1.w * f));
     }
   } else {
+    const int sp = ctaid_y_again();  // (= split, read again: not held across the loop)
     for (int c = tid; c < nrows * (D / 4); c += KT::THREADS) {
       const int lr = c / (D / 4), part = c % (D / 4);
+      const float f = partial_scale(row_l[lr]);
       const float4 e = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 4);  // d0, d2, d1, d3
-      *reinterpret_cast<float4*>(p.part_acc + ((out_row0 + lr) * p.num_splits + split) * D + part * 4) =
-          make_float4(e.x, e.z, e.y, e.w);
+      *reinterpret_cast<uint2*>(p.part_acc + ((out_row0 + lr) * p.num_splits + sp) * D + part * 4) =
+          make_uint2(pack_half2(e.x * f, e.z * f), pack_half2(e.y * f, e.w * f));
     }
     for (int lr = tid; lr < nrows; lr += KT::THREADS)
-      p.part_ml[(out_row0 + lr) * p.num_splits + split] = make_float2(row_m[lr], row_l[lr]);
+      p.part_ml[(out_row0 + lr) * p.num_splits + sp] = make_float2(row_m[lr], row_l[lr]);
   }
 }
 

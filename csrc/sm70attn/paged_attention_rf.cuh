@@ -183,18 +183,6 @@ __device__ __forceinline__ float ex2_approx(float x) {
 #endif
 }
 
-// threadIdx.x read again (volatile: not merged with other reads), so that values derived from it
-// need not be held in registers across the tile loop.
-__device__ __forceinline__ int tid_again() {
-#if defined(__CUDACC__)
-  int t;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-  return t;
-#else
-  return (int)threadIdx.x;
-#endif
-}
-
 template <class KT, class Atom>
 __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     paged_attention_rf_kernel(const PagedAttnParams p) {
@@ -229,17 +217,16 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   const int t_begin = (int)min((i64)len, (i64)split * chunk);
   const int t_end = min(len, t_begin + chunk);
 
+  // Where local row lr goes: out, or with splits the split's fp16 partial row (params.h).
+  auto dst_row = [&](i64 row0, int sp, int lr) {
+    return p.num_splits == 1 ? p.out + (row0 + lr) * D : p.part_acc + ((row0 + lr) * p.num_splits + sp) * D;
+  };
   if (t_begin >= t_end) {  // as paged_attention.cuh: zero rows, or an empty partial
-    if (p.num_splits == 1) {
-      for (int c = tid; c < nrows * (D / 8); c += KT::THREADS)
-        *reinterpret_cast<uint4*>(p.out + (out_row0 + c / (D / 8)) * D + c % (D / 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
-    } else {
-      for (int c = tid; c < nrows * (D / 4); c += KT::THREADS)
-        *reinterpret_cast<float4*>(p.part_acc + ((out_row0 + c / (D / 4)) * p.num_splits + split) * D + c % (D / 4) * 4) =
-            make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c = tid; c < nrows * (D / 8); c += KT::THREADS)
+      *reinterpret_cast<uint4*>(dst_row(out_row0, split, c / (D / 8)) + c % (D / 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
+    if (p.num_splits > 1)
       for (int lr = tid; lr < nrows; lr += KT::THREADS)
         p.part_ml[(out_row0 + lr) * p.num_splits + split] = make_float2(neg_inf(), 0.f);
-    }
     return;
   }
 
@@ -404,13 +391,16 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
       if (tg == 0) row_m[orow(k)] = m_run[k];
     }
   __syncthreads();
+  // Each row's sum, and the factor its O takes (into red's first column, read by then): out's
+  // normalisation (* v_scale * 2^8), or the split's partial's (params.h).
   for (int i = tid; i < ROWS; i += KT::THREADS) {
     const float4 r = *reinterpret_cast<const float4*>(red + i * TG);
-    row_l[i] = ((r.x + r.y) + r.z) + r.w;
+    const float l = ((r.x + r.y) + r.z) + r.w;
+    row_l[i] = l;
+    red[i * TG] = p.num_splits > 1 ? partial_scale(l) : l > 0.f ? __uint_as_float((unsigned)meta[5]) / l : 0.f;
   }
-  // O -> smem (fp32, half of D at a time) -> coalesced rows of out (fp16, normalised,
-  // * v_scale * 2^8) or of the fp32 partials; columns in the permuted D order (e4m3.h).
-  const float vsc = __uint_as_float((unsigned)meta[5]);
+  // O -> smem (fp32, half of D at a time) -> coalesced fp16 rows of out or of the split's
+  // partials; columns in the permuted D order (e4m3.h).
 #pragma unroll  // (o is dead once its half is stored)
   for (int h = 0; h < 2; ++h) {
     __syncthreads();  // row_l written; the previous half read out of Es
@@ -424,27 +414,18 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     }
     __syncthreads();
     constexpr int HD = D / 2;
-    if (p.num_splits == 1) {
-      for (int c = tid; c < e_nrows * (HD / 8); c += KT::THREADS) {
-        const int lr = c / (HD / 8), part = c % (HD / 8);
-        const float l = row_l[lr], f = l > 0.f ? vsc / l : 0.f;
-        const float4 e0 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8);
-        const float4 e1 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8 + 4);
-        *reinterpret_cast<uint4*>(p.out + (e_row0 + lr) * D + h * HD + part * 8) =
-            make_uint4(pack_half2(e0.x * f, e0.z * f), pack_half2(e0.y * f, e0.w * f),
-                       pack_half2(e1.x * f, e1.z * f), pack_half2(e1.y * f, e1.w * f));
-      }
-    } else {
-      for (int c = tid; c < e_nrows * (HD / 4); c += KT::THREADS) {
-        const int lr = c / (HD / 4), part = c % (HD / 4);
-        const float4 e = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 4);  // d0, d2, d1, d3
-        *reinterpret_cast<float4*>(p.part_acc + ((e_row0 + lr) * p.num_splits + e_split) * D + h * HD + part * 4) =
-            make_float4(e.x, e.z, e.y, e.w);
-      }
+    for (int c = tid_again(); c < e_nrows * (HD / 8); c += KT::THREADS) {
+      const int lr = c / (HD / 8), part = c % (HD / 8);
+      const float f = red[lr * TG];
+      const float4 e0 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8);
+      const float4 e1 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8 + 4);
+      *reinterpret_cast<uint4*>(dst_row(e_row0, e_split, lr) + h * HD + part * 8) =
+          make_uint4(pack_half2(e0.x * f, e0.z * f), pack_half2(e0.y * f, e0.w * f),
+                     pack_half2(e1.x * f, e1.z * f), pack_half2(e1.y * f, e1.w * f));
     }
   }
   if (p.num_splits > 1)
-    for (int lr = tid; lr < e_nrows; lr += KT::THREADS)
+    for (int lr = tid_again(); lr < e_nrows; lr += KT::THREADS)
       p.part_ml[(e_row0 + lr) * p.num_splits + e_split] = make_float2(row_m[lr], row_l[lr]);
 }
 

@@ -52,8 +52,11 @@ struct PagedAttnParams {
   const float* v_scale;
   int k_scale_stride, v_scale_stride;
   __half* out;         // [B, H_q, Q, D] contiguous
-  float* part_acc;     // [B * H_q * Q, num_splits, D] unnormalised acc (num_splits > 1 only)
-  float2* part_ml;     // [B * H_q * Q, num_splits] (row max in log2 units, row sum)
+  // Split partials (num_splits > 1 only): each split's unnormalised O over the power of two of
+  // its row sum, in fp16 (half the bytes of fp32; utils.h: partial_scale), and (row max in log2
+  // units, row sum). A row that saw nothing: O = 0, (-inf, 0).
+  __half* part_acc;    // [B * H_q * Q, num_splits, D]
+  float2* part_ml;     // [B * H_q * Q, num_splits]
   int B, H_q, H_kv, G, Q, D;
   int page_size, max_pages, num_pages;  // capacity = max_pages * page_size (fits in int)
   // Divisors of page_size, Q, H_kv, row_groups and num_splits: set by the launcher (set_divisors).

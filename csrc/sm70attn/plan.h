@@ -14,15 +14,20 @@ struct AttnPlan {
   int mb = 0;                // 16-row blocks per CTA
   int row_groups = 0;        // CTAs over the G * Q rows of one KV head
   int num_splits = 0;        // context splits
-  i64 workspace_floats = 0;  // part_acc then part_ml; 0 when num_splits == 1
+  i64 workspace_floats = 0;  // part_acc (fp16) then part_ml, in floats; 0 when num_splits == 1
 };
+
+// Floats of the split partials of `rows` output rows (set_workspace): fp16 O and (m, l) a split.
+inline i64 split_workspace_floats(i64 rows, int num_splits, int D) {
+  return num_splits > 1 ? rows * num_splits * (D / 2 + 2) : 0;
+}
 
 // Depends on shapes and the SM count only, never on seq_lens values (one CUDA graph serves
 // every length <= capacity) nor on B (a request's result is bitwise the same alone or batched).
 // Splits: one request fills the SMs with ctas_per_sm resident CTAs each (the kernel's occupancy
 // on this device, measured by the launcher: attn_ctas_per_sm), one wave of them (a kernel of one
-// CTA per SM got two before: twice the fp32 partials for the same work), each split at least
-// 4 tiles and 16 tokens per query row (the fp32 partials of a split stay well under its KV
+// CTA per SM got two before: twice the partials for the same work), each split at least
+// 4 tiles and 16 tokens per query row (the partials of a split stay well under its KV
 // bytes), at most 512. A count above one wave (ctas_per_sm x num_sms over the CTAs a split
 // takes, rounded up) is rounded down to the wave: a partial last wave costs a full CTA time
 // while most SMs idle (as seen with two waves: verify at 128K on 132 SMs, 170 splits of 13
@@ -43,7 +48,7 @@ inline AttnPlan plan_paged_attention(int B, int H_q, int H_kv, int Q, int D, i64
   const i64 wave = std::max<i64>(1, std::max(ctas_per_sm, 1) * (i64)num_sms / per_request);
   if (splits > wave) splits = splits / wave * wave;
   pl.num_splits = (int)std::max<i64>(1, splits);
-  if (pl.num_splits > 1) pl.workspace_floats = (i64)B * H_q * Q * pl.num_splits * (D + 2);
+  pl.workspace_floats = split_workspace_floats((i64)B * H_q * Q, pl.num_splits, D);
   return pl;
 }
 
@@ -54,10 +59,11 @@ inline void set_divisors(PagedAttnParams& p) {
   p.div_rg = fastdiv_init(p.row_groups), p.div_splits = fastdiv_init(p.num_splits);
 }
 
-// Where the plan's workspace goes in p (part_acc first, then part_ml).
+// Where the plan's workspace goes in p (part_acc first, then part_ml: D / 2 floats a partial
+// row, D even, so part_ml stays 8-byte aligned).
 inline void set_workspace(PagedAttnParams& p, float* ws) {
-  p.part_acc = ws;
-  p.part_ml = ws ? reinterpret_cast<float2*>(ws + (i64)p.B * p.H_q * p.Q * p.num_splits * p.D) : nullptr;
+  p.part_acc = reinterpret_cast<__half*>(ws);
+  p.part_ml = ws ? reinterpret_cast<float2*>(ws + (i64)p.B * p.H_q * p.Q * p.num_splits * (p.D / 2)) : nullptr;
 }
 
 }  // namespace sm70attn

@@ -122,13 +122,16 @@ enum AttnKind : int { ATTN_WMMA = 0, ATTN_RF_M8N8K4 = 1, ATTN_RF_M16N8K16 = 2 };
 // The kind a call takes unless set_kernel_override says otherwise, on a GPU of compute
 // capability cc (10 major + minor) with a cache of `capacity` tokens per request (a shape: never
 // B or the lengths, so a request's bits do not depend on its batch): the register-fragment
-// kernel for D = 256 in CTAs of 3 row blocks (33-48 query rows a KV head, the seeds' verify, or
-// row groups of those) on SM 7.0 (V100: not 7.2/7.5, whose shared memory differs) from 64K tokens, where
-// the V100 model predicts it faster than the WMMA kernel (two CTAs per SM against one; shorter
-// contexts lose to the second wave's tail). Elsewhere the WMMA kernel: on the H200 the m16n8k16
-// twin measured slower in every cell. Figures: docs/perf.md, "The register-fragment kernel".
+// kernel for D = 256 on SM 7.0 (V100: not 7.2/7.5, whose shared memory differs) in CTAs of 2 row
+// blocks (17-32 query rows a KV head: the seeds' G 6 x Q 4) from 64K tokens and of 3 (33-48: G 6
+// x Q 8, or row groups of those) from 128K, where the V100 model predicts it faster than the
+// WMMA kernel at every batch (two CTAs per SM against one). Below, a plan of a little over one
+// CTA with work per SM puts two on a few SMs while the WMMA kernel has one on each, and the
+// RF kernel is slower at small batches (predicted up to 1.2x for MB2 at 33K, 1.5x for MB3 at
+// 64K). Elsewhere the WMMA kernel: on the H200 the m16n8k16 twin measured slower in most
+// cells. Figures: docs/perf.md, "The register-fragment kernel".
 __host__ __device__ constexpr int attn_default_kind(int d, int mb, int cc, long long capacity) {
-  return cc == 70 && d == 256 && mb == 3 && capacity >= 65536 ? ATTN_RF_M8N8K4 : ATTN_WMMA;
+  return cc == 70 && d == 256 && ((mb == 2 && capacity >= 65536) || (mb == 3 && capacity >= 131072)) ? ATTN_RF_M8N8K4 : ATTN_WMMA;
 }
 
 // The register-fragment kernel's tile: ROWS = 16 MB query rows, 32-token tiles, 4 warps per
@@ -187,11 +190,11 @@ __host__ __device__ constexpr int combine_warps_per_row(int splits) {
   return splits <= 16 ? 1 : splits <= 64 ? 4 : 16;
 }
 
-// Combine (split-K reduction): a CTA takes 32 columns (a column per lane) of ROWS = WARPS / WPR
-// output rows; the WPR warps of a row share its splits, U loads in flight each.
+// Combine (split-K reduction): a CTA takes 64 columns (two adjacent ones per lane) of ROWS =
+// WARPS / WPR output rows; the WPR warps of a row share its splits, U loads in flight each.
 template <int D_, int WPR_>
 struct CombineTraits {
-  static constexpr int D = D_, WPR = WPR_, CW = 32, WARPS = 16, THREADS = 32 * WARPS, U = 16;
+  static constexpr int D = D_, WPR = WPR_, CW = 64, WARPS = 16, THREADS = 32 * WARPS, U = 16;
   static constexpr int ROWS = WARPS / WPR;
   // Two CTAs per SM (at most 64 registers a thread), as the one-kernel combine had on sm_70:
   // without the bound ptxas takes 68-69 there, and a V100 SM would hold one.

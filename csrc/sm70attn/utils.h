@@ -40,12 +40,53 @@ __device__ __forceinline__ bool any_byte(const unsigned char* f) {
   return *f != 0;
 }
 
+// threadIdx.x and blockIdx.x read again (volatile: not merged with other reads), so that values
+// derived from them need not be held in registers across a loop.
+__device__ __forceinline__ int tid_again() {
+#if defined(__CUDACC__)
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+#else
+  return (int)threadIdx.x;
+#endif
+}
+__device__ __forceinline__ int ctaid_again() {
+#if defined(__CUDACC__)
+  int t;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(t));
+  return t;
+#else
+  return (int)blockIdx.x;
+#endif
+}
+__device__ __forceinline__ int ctaid_y_again() {
+#if defined(__CUDACC__)
+  int t;
+  asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(t));
+  return t;
+#else
+  return (int)blockIdx.y;
+#endif
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ unsigned pack_half2(float a, float b) {
   return (unsigned)__half_as_ushort(__float2half_rn(a)) |
          ((unsigned)__half_as_ushort(__float2half_rn(b)) << 16);
 }
+
+// A split's partial O is acc / 2^e, 2^e the power of two of its row sum l (2^e <= l < 2^(e+1);
+// params.h). Dividing by a power of two rounds nothing and costs two integer instructions (no
+// division), and since |acc| <= l max|V|, |acc / 2^e| < 2 max|V| (3.5 in the kernels' 2^-8
+// units): fp16 holds it with fp16's relative precision. partial_scale: 2^-e, 0 where l = 0 (a
+// row that saw nothing; its acc is 0). partial_weight: 2^e, which the combine weighs the partial
+// by (0 for l = 0, +inf for a NaN l: the row comes out NaN, as it should).
+__device__ __forceinline__ float partial_scale(float l) {
+  return l > 0.f ? __uint_as_float((254u << 23) - (__float_as_uint(l) & 0x7f800000u)) : 0.f;
+}
+__device__ __forceinline__ float partial_weight(float l) { return __uint_as_float(__float_as_uint(l) & 0x7f800000u); }
 
 // 4 floats -> fp16 (round to nearest even), one 8-byte shared-memory store.
 __device__ __forceinline__ void st_half_vec(__half* p, const float (&v)[4]) {

@@ -111,7 +111,7 @@ std::vector<unsigned short> run(Problem& p, int num_sms, int* splits_out = nullp
   AttnPlan plan = plan_paged_attention(p.B, p.H_q, p.H_kv, p.Q, p.D, cap, num_sms, g_ctas_per_sm);
   if (force_splits) {
     plan.num_splits = force_splits;
-    plan.workspace_floats = force_splits > 1 ? (i64)p.B * p.H_q * p.Q * force_splits * (p.D + 2) : 0;
+    plan.workspace_floats = split_workspace_floats((i64)p.B * p.H_q * p.Q, force_splits, p.D);
   }
   if (splits_out) *splits_out = plan.num_splits;
   // exact-size copies so ASan sees any out-of-bounds access
