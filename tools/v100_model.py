@@ -3,8 +3,10 @@
 
     python tools/v100_model.py [--markdown] [--json out.json]   # calibration, V100 predictions
     python tools/v100_model.py --ingest RUNS_DIR NCU_CSV        # tools/model_runs.sh's output -> docs/data
-    python tools/v100_model.py --sass --nvdisasm70 N70 --nvdisasm90 N90 [--nvcc NVCC]
-        # docs/data/sass.json (N70: CUDA 11.8's nvdisasm, N90 a current one: tools/sm70_sass.py)
+    python tools/v100_model.py --sass sm_70 --nvdisasm N70     # with CUDA 12's NVRTC (extra cuda12)
+    python tools/v100_model.py --sass sm_90a --nvdisasm N90    # with CUDA 13's NVRTC, as the H200
+        # docs/data/sass.json, one arch at a time (N70: CUDA 11.8's nvdisasm, N90 a current one:
+        # tools/sm70_sass.py); each build is the runtime's, on the GPU it stands for
 
 Inputs, all in docs/data: the H200 runs of tools/model_runs.sh (the op over both geometries of
 issue 12 on the whole GPU, and the same cells with a V100's grids: 80 SMs of a green context,
@@ -13,9 +15,10 @@ instructions of a few of those cells; and the SASS summary of every kernel (sm_7
 gate builds it, sm_90a as the H200's JIT build does).
 
 Besides, the register-fragment kernel's m16n8k16 twin (tools/bench.py --kernel rf-m16n8k16) on
-the D256 Q8 cells of both grids: a kernel kind of its own (32-token tiles, 4 warps a row block,
-its own c, shared with the m8n8k4 build the V100 runs), which a call takes where traits.h's
-attn_default_kind says (default_kind below).
+the D256 Q8 (MB3) and Q4 (MB2) cells of both grids (and the WMMA kernel on the MB2 cells,
+which the calibration grid lacks: docs/data/h200_mb2_*.json): a kernel kind of its own (32-token tiles, 4 warps a row block,
+its own c per MB, shared with the m8n8k4 build the V100 runs), which a call takes where
+traits.h's attn_default_kind says (default_kind below).
 
 One call = the plan (a replica of plan.h, checked against every plan the H200 recorded), the
 CTAs of each split with their tiles, and for the kernel (D, MB, kind) on the GPU's arch:
@@ -30,8 +33,14 @@ CTAs of each split with their tiles, and for the kernel (D, MB, kind) on the GPU
   warp); issue, w x the busiest pipe (one instruction a cycle; V100: FP32, INT32, HMMA.884 2
   cycles a warp instruction; H200: FP32 1, INT32 2, HMMA.16816 6.8); smem, resident CTAs x
   shared-memory bytes / 128 B a cycle;
-- a CTA = tiles x that + the rest's instructions x c_rest + a fixed latency; CTAs run in whole
-  rounds of the SMs' resident slots; dram = KV bytes and split partials over the bandwidth;
+- a CTA = tiles x that + the rest's instructions x c_rest + a fixed latency. CTAs run in rounds
+  of the SMs' resident slots, in launch order (rounds); a CTA whose split has no tokens returns
+  at once and holds no slot. The block scheduler deals a round's CTAs out one an SM at a time,
+  so a round of n CTAs has cdiv(n, SMs) on its busiest SMs, and their warps set w for the
+  round: 85 CTAs on 80 SMs of which the last 6 are empty run at one CTA's w, as measured, and a
+  last round of 4 CTAs runs at one CTA's w, not the full one's. The kernel takes the sum of its
+  rounds, each the longest CTA of the round at the round's w; dram = KV bytes and split
+  partials over the bandwidth;
 - then the combine kernel (a fixed time plus rounds: waves of its CTAs x passes of a warp over
   its splits; fitted on ncu's durations) and a launch gap.
 The V100 keeps every fitted term in cycles and takes its own SM count, clock, bandwidth, shared
@@ -54,19 +63,6 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "docs", "data")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-# nvcc's device flags in the nvcc build (ours, then torch's) that the H200 calibration runs were
-# measured on, for the sm_90a SASS (--sass).
-NVCC_BUILD_FLAGS = [
-    "-O3",
-    "--expt-relaxed-constexpr",
-    "-lineinfo",
-    "-D__CUDA_NO_HALF_OPERATORS__",
-    "-D__CUDA_NO_HALF_CONVERSIONS__",
-    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    "-D__CUDA_NO_HALF2_OPERATORS__",
-    "-std=c++17",
-]
 
 # Hardware. H200: 132 SMs, the clock ncu read under the attention kernels (1.78-1.84 GHz), the
 # device-to-device copy bandwidth the calibration runs measured (read + write, 4.1-4.2 TB/s).
@@ -119,8 +115,11 @@ def uses_rf(d: int, mb: int) -> bool:
 
 
 def default_kind(arch: str, d: int, mb: int, capacity: int) -> str:
-    """traits.h's attn_default_kind: the m8n8k4 kernel for D 256 MB3 from 64K tokens on SM70."""
-    return "rf" if arch == "sm_70" and d == 256 and mb == 3 and capacity >= 65536 else "wmma"
+    """traits.h's attn_default_kind: the m8n8k4 kernel on SM70 for D 256 MB2 from 64K tokens and
+    MB3 from 128K (below, CTAs a little over one per SM put two on some SMs and make it the
+    slower at small batches)."""
+    rf = (mb == 2 and capacity >= 65536) or (mb == 3 and capacity >= 131072)
+    return "rf" if arch == "sm_70" and d == 256 and rf else "wmma"
 
 
 def kind_of(rec: dict) -> str:
@@ -155,13 +154,13 @@ def occupancy(regs: int, threads: int, smem: int, gpu: dict) -> int:
 
 
 # --- SASS summary: docs/data/sass.json --------------------------------------------------------
-def build_sass(nvdisasm70: str, nvdisasm90: str, nvcc: str, jobs: int) -> dict:
-    """Per arch and VEC16 attention kernel (and combine): registers, threads, shared memory,
+def build_sass(arch: str, nvdisasm: str, jobs: int) -> dict:
+    """Per VEC16 attention kernel (and combine) of one arch: registers, threads, shared memory,
     and the static instructions of one tile (main loop plus inner loops x trips) and of the
-    rest of the kernel, by class; from torch_sm70attn.nvrtc and tools/sm70_sass.py. sm_70 as the
-    runtime builds it for a V100 (NVRTC of CUDA 12, the extra cuda12); sm_90a with nvcc 13 and the
-    flags of the nvcc build the H200 calibration runs were measured on (the NVRTC build for sm_90
-    that replaced it holds the same machine code: docs/perf.md, "The NVRTC build")."""
+    rest of the kernel, by class; from torch_sm70attn.nvrtc and tools/sm70_sass.py. Built as
+    the runtime builds it on the GPU the arch stands for, by the NVRTC this Python loads: sm_70
+    for a V100 (CUDA 12's, the extra cuda12), sm_90a as the H200 runs it (CUDA 13's, which
+    torch 2.11 cu130 loads there; its registers decide the H200's occupancy)."""
     import concurrent.futures
 
     import sm70_sass
@@ -170,46 +169,33 @@ def build_sass(nvdisasm70: str, nvdisasm90: str, nvcc: str, jobs: int) -> dict:
 
     kernels = [k for k in nvrtc.kernels() if "VEC16" in k.name or k.family == "combine"]
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:  # threads, shared memory
-        built = list(pool.map(lambda k: nvrtc.compile_kernel(k, "sm_70"), kernels))
-    nvrtc.gate(built)  # (fills in each kernel's dynamic shared memory)
-    checks = [
-        dict(
-            name=c.kernel.name,
-            threads=c.info["threads"],
-            smem_static=c.info["smem_static"],
-            smem_dyn=c.info["smem_dyn"],
-        )
-        for c in built
-    ]
+        built = list(pool.map(lambda k: nvrtc.compile_kernel(k, arch), kernels))
+    smem = nvrtc.dynamic_smem(kernels, arch)  # the launcher's dynamic shared memory
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+        sass = dict(pool.map(sm70_sass.disassemble, [(k, arch, nvdisasm) for k in kernels]))
     out = {}
-    for arch, nvd, extra in (
-        ("sm_70", nvdisasm70, []),
-        ("sm_90a", nvdisasm90, [nvcc, NVCC_BUILD_FLAGS]),
-    ):
-        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
-            sass = dict(pool.map(sm70_sass.disassemble, [(k, arch, nvd, *extra) for k in kernels]))
-        arch = arch.rstrip("a")
-        out[arch] = {}
-        for c in checks:  # threads and shared memory from the traits; registers of this build
-            if arch == "sm_70" and c["name"].endswith("m16n8k16"):
-                continue  # no m16n8k16 before SM80: that build is a trap
-            r = sass[c["name"]]
-            res = dict(regs=r["regs"], threads=c["threads"], smem=c["smem_static"] + c["smem_dyn"])
-            if "main_loop" not in r:  # combine: no tile loop
-                out[arch][c["name"]] = dict(res, total=r["kernel"]["total"])
-                continue
-            per = [(r["main_loop"], 1)] + [(x, x["trips"]) for x in r["inner_loops"]]
-            classes = [*sm70_sass.COLUMNS, "smem_bytes"]
-            tile = {cl: sum(m.get(cl, 0) * n for m, n in per) for cl in classes}
-            inner = sum(x["total"] for x in r["inner_loops"])
-            out[arch][c["name"]] = dict(
-                res,
-                tile=sum(tile[cl] for cl in sm70_sass.COLUMNS),
-                tile_mix=tile,
-                rest=r["kernel"]["total"] - r["main_loop"]["total"] - inner,
-                check=round(r["mac_check"], 3) if "mac_check" in r else None,
-            )
-    out["kernel_sources"] = kernel_sources_digest()
+    for c in built:  # threads and shared memory from the traits; registers of this build
+        name = c.kernel.name
+        if arch == "sm_70" and name.endswith("m16n8k16"):
+            continue  # no m16n8k16 before SM80: that build is a trap
+        r = sass[name]
+        res = dict(
+            regs=r["regs"], threads=c.info["threads"], smem=c.info["smem_static"] + smem[c.kernel]
+        )
+        if "main_loop" not in r:  # combine: no tile loop
+            out[name] = dict(res, total=r["kernel"]["total"])
+            continue
+        per = [(r["main_loop"], 1)] + [(x, x["trips"]) for x in r["inner_loops"]]
+        classes = [*sm70_sass.COLUMNS, "smem_bytes"]
+        tile = {cl: sum(m.get(cl, 0) * n for m, n in per) for cl in classes}
+        inner = sum(x["total"] for x in r["inner_loops"])
+        out[name] = dict(
+            res,
+            tile=sum(tile[cl] for cl in sm70_sass.COLUMNS),
+            tile_mix=tile,
+            rest=r["kernel"]["total"] - r["main_loop"]["total"] - inner,
+            check=round(r["mac_check"], 3) if "mac_check" in r else None,
+        )
     return out
 
 
@@ -258,14 +244,13 @@ def splits_tiles(length: int, splits: int, n: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def makespan(durations: list[float], copies: int, slots: int) -> float:
-    """The block scheduler's finish time for `copies` CTAs of each duration, by whole rounds:
-    CTAs start as slots free up, so the work takes about ceil(work / (slots x longest)) rounds
-    of the longest CTA (exact for equal CTAs; the plan rounds a request's splits to waves)."""
-    longest = max(durations, default=0.0)
-    if longest <= 0:
-        return 0.0
-    return math.ceil(copies * sum(durations) / (slots * longest) - 1e-6) * longest
+def rounds(tiles: tuple[int, ...], copies: int, slots: int) -> list[tuple[int, int]]:
+    """The block scheduler's rounds: (CTAs, the most tiles one of them has) per round of `slots`
+    CTAs, over the CTAs with work in launch order (blockIdx.x, the `copies` of a split, runs
+    fastest; a split never has more tiles than the one before). A CTA with no tiles returns at
+    once, so it holds no slot."""
+    busy = copies * sum(t > 0 for t in tiles)
+    return [(min(slots, busy - i), tiles[i // copies]) for i in range(0, busy, slots)]
 
 
 def combine_warps_per_row(splits: int) -> int:
@@ -273,16 +258,16 @@ def combine_warps_per_row(splits: int) -> int:
     return 1 if splits <= 16 else 4 if splits <= 64 else 16
 
 
-COMBINE_WARPS, COMBINE_U = 16, 16  # traits.h: CombineTraits
+COMBINE_WARPS, COMBINE_U, COMBINE_CW = 16, 16, 64  # traits.h: CombineTraits
 
 
 def combine_waves(rows: int, D: int, splits: int, gpu: dict, sass: dict, sms: int) -> int:
-    """Rounds of the combine: its CTAs (16 / WPR rows and 32 columns each) in waves of the SMs'
+    """Rounds of the combine: its CTAs (16 / WPR rows and 64 columns each) in waves of the SMs'
     resident CTAs, times the passes of U loads a warp makes over its share of the splits."""
     wpr = combine_warps_per_row(splits)
     k = sass[gpu["arch"]][f"combine D{D} WPR{wpr}"]
     occ = max(1, occupancy(k["regs"], k["threads"], k["smem"], gpu))
-    ctas = cdiv(rows, COMBINE_WARPS // wpr) * (D // 32)
+    ctas = cdiv(rows, COMBINE_WARPS // wpr) * (D // COMBINE_CW)
     return cdiv(ctas, sms * occ) * cdiv(splits, wpr * COMBINE_U)
 
 
@@ -322,9 +307,6 @@ def predict(
     S = pl["num_splits"]
     W, N = (4 * pl["mb"], 32) if kind == "rf" else (warps(D, pl["mb"]), tile_tokens(D, pl["mb"]))
     tiles = splits_tiles(ctx, S, N)
-    n_cta = B * H_kv * pl["row_groups"] * S
-    resident = min(occ, cdiv(n_cta, sms))
-    w = resident * W / SCHEDULERS  # warps per scheduler
     name, cname = kernel_name(D, pl["mb"], kind, arch), cal_name(D, pl["mb"], kind)
     if "c " + cname not in prm:
         raise KeyError(f"{cname} is not calibrated: no H200 measurement in docs/data runs it")
@@ -332,8 +314,6 @@ def predict(
     d = dyn.get(name, {"tile": 1.0, "rest": 1.0})
     mix = {cl: n * d["tile"] for cl, n in k["tile_mix"].items()}
     per_tile, per_cta, hmma = k["tile"] * d["tile"], k["rest"] * d["rest"], mix["tensor"]
-    # latency: cycles between two issues of one warp, c + alpha w (w warps per scheduler)
-    cyc = prm["c " + cname] + prm["alpha"] * w
     lat_insts = per_tile
     if arch == "sm_70" and hmma_latency == "lo":
         # one HMMA.16816 does the products of 8 HMMA.884: 7 in 8 off the latency path
@@ -342,16 +322,24 @@ def predict(
     pipe = max(
         [per_tile] + [n * gpu["pipe"].get(cl, 1) for cl, n in mix.items() if cl != "smem_bytes"]
     )
-    terms = dict(
-        latency=lat_insts * cyc, issue=w * pipe, smem=resident * W * mix["smem_bytes"] / SMEM_BW
-    )
-    bound = max(terms, key=terms.get)
-    tile_cyc = terms[bound]
     lat = prm["lat_us"] * 1e-6 * gpu["clock"]
-    cta_cyc = [t * tile_cyc + per_cta * prm["c_rest"] + lat for t in tiles]
-    t_issue = makespan(cta_cyc, B * H_kv * pl["row_groups"], sms * resident) / gpu["clock"]
+    # Round by round: the scheduler deals a round's CTAs out one an SM at a time, so its busiest
+    # SMs hold cdiv(CTAs, sms) of them, and their warps (w per scheduler) set the round's time.
+    t_issue, first = 0.0, None
+    for n_r, t in rounds(tiles, B * H_kv * pl["row_groups"], sms * occ):
+        resident = min(occ, cdiv(n_r, sms))
+        w = resident * W / SCHEDULERS  # warps per scheduler
+        # latency: cycles between two issues of one warp, c + alpha w
+        cyc = prm["c " + cname] + prm["alpha"] * w
+        terms = dict(
+            latency=lat_insts * cyc, issue=w * pipe, smem=resident * W * mix["smem_bytes"] / SMEM_BW
+        )
+        bound = max(terms, key=terms.get)
+        t_issue += (t * terms[bound] + per_cta * prm["c_rest"] + lat) / gpu["clock"]
+        first = first or (bound, w)
+    bound, w = first  # the first round, the fullest, names the bound
     kv_bytes = 2 * B * ctx * H_kv * D
-    part_bytes = B * G * H_kv * Q * S * (D + 2) * 4 if S > 1 else 0
+    part_bytes = B * G * H_kv * Q * S * (2 * D + 8) if S > 1 else 0  # fp16 O, fp32 (m, l)
     t_dram = (kv_bytes + part_bytes) / gpu["bw"]
     t_attn = max(t_issue, t_dram)
     t_comb = combine_time(B * G * H_kv * Q, D, S, part_bytes, gpu, sass, prm, sms) if S > 1 else 0.0
@@ -373,17 +361,17 @@ def predict(
 # --- calibration ------------------------------------------------------------------------------
 RUNS = ("h200_cal_d256", "h200_cal_d128", "h200_v100grid_d256", "h200_v100grid_d128")
 RF_RUNS = ("h200_rf_d256", "h200_rf_v100grid_d256")  # the m16n8k16 twin (bench.py --kernel)
+# D256 G6 Q4 (MB2): the WMMA kernel and the twin (bench.py --rows 4 [--kernel ...]), both grids
+MB2_RUNS = tuple(f"h200_mb2_{k}_{g}d256" for g in ("", "v100grid_") for k in ("wmma", "rf"))
 
 
-def load_runs(names=RUNS + RF_RUNS):
+def load_runs(names=RUNS + RF_RUNS + MB2_RUNS):
     """(cell, measured ms, recorded plan, grid) of the committed H200 runs (kind_of(plan): the
     kernel each ran)."""
     out = []
     for n in names:
-        if n in RF_RUNS and not os.path.exists(os.path.join(DATA, n + ".json")):
-            continue
         run = json.load(open(os.path.join(DATA, n + ".json")))
-        grid = "v100" if "v100grid" in n else "full"
+        grid = "v100" if "v100" in n else "full"
         for r in run["cells"]:
             if "op" in r.get("impls", {}):
                 out.append((r["cell"], r["impls"]["op"]["median_ms"], r["plan"], grid))
@@ -618,18 +606,11 @@ def report(prm, runs, sass, dyn, markdown=False) -> str:
 
 
 def rf_report(prm, runs, sass, dyn) -> str:
-    """The register-fragment kernel against the WMMA kernel, cell by cell where both ran: H200
-    measured (the m16n8k16 twin; the WMMA kernel from the same session's run where
-    docs/data/ab has it) and modelled, and both kinds' V100 predictions (m8n8k4)."""
+    """The register-fragment kernel against the WMMA kernel, cell by cell where both ran (the
+    MB3 cells, then the MB2 ones): H200 measured (the m16n8k16 twin; the WMMA kernel of the
+    calibration runs, same csrc) and modelled, and both kinds' V100 predictions (m8n8k4)."""
     rf = {(tuple(c.values()), g): (ms, rec) for c, ms, rec, g in runs if kind_of(rec) == "rf"}
     wm = {(tuple(c.values()), g): ms for c, ms, rec, g in runs if kind_of(rec) == "wmma"}
-    # the WMMA kernel in the same session as the twin's runs, where committed (docs/data/ab)
-    for f, g in (("rf-ab-wmma", "full"), ("rf-ab-v100grid-wmma", "v100")):
-        path = os.path.join(DATA, "ab", f + ".json")
-        if os.path.exists(path):
-            for r in json.load(open(path))["cells"]:
-                if "op" in r.get("impls", {}):
-                    wm[(tuple(r["cell"].values()), g)] = r["impls"]["op"]["median_ms"]
     head = "| cell | grid | H200 WMMA ms | H200 RF ms | RF / WMMA | RF model | err | V100 WMMA ms | V100 RF ms | RF / WMMA | V100 RF limiter |"
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for (key, g), (ms, rec) in rf.items():
@@ -657,10 +638,14 @@ def rf_report(prm, runs, sass, dyn) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sass", action="store_true", help="rebuild docs/data/sass.json")
-    ap.add_argument("--nvdisasm70", default="nvdisasm", help="CUDA 11.8's (sm_70)")
-    ap.add_argument("--nvdisasm90", default="nvdisasm", help="a current one (sm_90)")
-    ap.add_argument("--nvcc", default="nvcc", help="the H200 build's nvcc (13.0), for sm_90a")
+    ap.add_argument(
+        "--sass",
+        choices=["sm_70", "sm_90a"],
+        help="rebuild this arch's part of docs/data/sass.json",
+    )
+    ap.add_argument(
+        "--nvdisasm", default="nvdisasm", help="sm_70: CUDA 11.8's; sm_90a: a current one"
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--markdown", action="store_true", help="tables as markdown")
     ap.add_argument(
@@ -690,11 +675,17 @@ def main() -> int:
         print(f"wrote {DATA}: {len(rows)} ncu launches")
         return 0
     if a.sass:
+        out = json.load(open(path)) if os.path.exists(path) else {}
+        key, digest = a.sass.rstrip("a"), kernel_sources_digest()
+        out[key] = build_sass(a.sass, a.nvdisasm, a.jobs)
+        built = out.setdefault("built_from", {})
+        built[key] = digest
+        # one digest only where both archs' parts are of these kernel sources
+        both = built.get("sm_70") == built.get("sm_90") == digest
+        out["kernel_sources"] = digest if both else "mixed: rebuild the other arch's part"
         with open(path, "w") as f:
-            json.dump(
-                build_sass(a.nvdisasm70, a.nvdisasm90, a.nvcc, a.jobs), f, indent=1, sort_keys=True
-            )
-        print(f"wrote {path}")
+            json.dump(out, f, indent=1, sort_keys=True)
+        print(f"wrote {path}: {a.sass}{'' if both else ' (now rebuild the other arch)'}")
         return 0
     sass = load_sass()
     dyn = dynamic_scale(sass)
