@@ -85,11 +85,11 @@ __global__ void __launch_bounds__(CT::THREADS, CT::MIN_BLOCKS) combine_kernel(co
     }
   }
   // (row and column read again: not held across the loop)
-  const i64 orow = (i64)ctaid_again() * CT::ROWS + (tid_again() >> 5) / WPR;
+  const i64 orow = (i64)reg_again<CTAID_X>() * CT::ROWS + (reg_again<TID_X>() >> 5) / WPR;
   if (orow >= (i64)p.B * p.H_q * p.Q) return;
   const int kvh = (int)(orow / p.Q % p.H_q) / p.G;
   const float f = l > 0.f ? __ldg(p.v_scale + kvh * p.v_scale_stride) * 256.f / l : 0.f;
-  *reinterpret_cast<unsigned*>(p.out + orow * D + blockIdx.y * CW + 2 * (tid_again() & 31)) =
+  *reinterpret_cast<unsigned*>(p.out + orow * D + blockIdx.y * CW + 2 * (reg_again<TID_X>() & 31)) =
       pack_half2(acc0 * f, acc1 * f);
 }
 

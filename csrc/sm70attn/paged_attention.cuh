@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
                      pack_half2(e1.x * f, e1.z * f), pack_half2(e1.y * f, e1.w * f));
     }
   } else {
-    const int sp = ctaid_y_again();  // (= split, read again: not held across the loop)
+    const int sp = reg_again<CTAID_Y>();  // (= split, read again: not held across the loop)
     for (int c = tid; c < nrows * (D / 4); c += KT::THREADS) {
       const int lr = c / (D / 4), part = c % (D / 4);
       const float f = partial_scale(row_l[lr]);

@@ -277,8 +277,8 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     meta[5] = __float_as_uint(__ldg(p.v_scale + kvh * p.v_scale_stride) * 256.f);
   }
   // The gather's bases, read back where they are used (this thread's first chunk added).
-  auto kbase = [&] { return reinterpret_cast<const unsigned char*>(meta[2]) + KvStage<KT>::part0(tid_again()) * KT::VEC; };
-  auto vbase = [&] { return reinterpret_cast<const unsigned char*>(meta[3]) + KvStage<KT>::part0(tid_again()) * KT::VEC; };
+  auto kbase = [&] { return reinterpret_cast<const unsigned char*>(meta[2]) + KvStage<KT>::part0(reg_again<TID_X>()) * KT::VEC; };
+  auto vbase = [&] { return reinterpret_cast<const unsigned char*>(meta[3]) + KvStage<KT>::part0(reg_again<TID_X>()) * KT::VEC; };
   auto btab = [&] { return reinterpret_cast<const int*>(meta[4]); };
 
   // The rows of the block whose softmax this lane does (Ops::OS of its two), their running max,
@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   constexpr int OS = Ops::OS, EPS = Ops::EPS;
   // (rows recomputed where used, from threadIdx read again: not held across the loop)
   auto orow = [&](int k) {
-    const int t = tid_again(), l = t & 31;
+    const int t = reg_again<TID_X>(), l = t & 31;
     return 16 * (t / 32 / TG) + Ops::row(l, Ops::own_slot(l, k));
   };
   float m_run[OS], l_run[OS];
@@ -300,8 +300,8 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   st.template load_one<false>(p, kbase(), btab(), t_begin, t_end, tid);
   for (int t0 = t_begin; t0 < t_end; t0 += N) {
     __syncthreads();  // previous PV done with T and P (first tile: Q stored)
-    st.template store_one<false>(Ts, tok_ok, tid_again());
-    st.template load_one<true>(p, vbase(), btab(), t0, t_end, tid_again());
+    st.template store_one<false>(Ts, tok_ok, reg_again<TID_X>());
+    st.template load_one<true>(p, vbase(), btab(), t0, t_end, reg_again<TID_X>());
     __syncthreads();
 
     float s[SE];
@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     }
     __syncthreads();  // every warp done with K; the maxima are in red
 
-    st.template store_one<true>(Ts, tok_ok, tid_again());  // V over K
+    st.template store_one<true>(Ts, tok_ok, reg_again<TID_X>());  // V over K
 
     // Online softmax, fp32, with a lazy rescale: a row's m moves only when the tile's maximum
     // passes it by more than RESCALE_LOG2 (then P <= 2^RESCALE_LOG2, which fp16 holds), so O
@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
 #pragma unroll
         for (int i = 0; i < OE; ++i) o[j][i] *= a2[Ops::o_slot(OE * j + i)];
     }
-    st.template load_one<false>(p, kbase(), btab(), t0 + N, t_end, tid_again());  // zeros past t_end
+    st.template load_one<false>(p, kbase(), btab(), t0 + N, t_end, reg_again<TID_X>());  // zeros past t_end
     __syncthreads();  // V and P stored
 
     Ops::template pv<KT>(o, Ps + 16 * rb * KT::PLD, Ts + KT::DW * tg, lane);
@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     }
     __syncthreads();
     constexpr int HD = D / 2;
-    for (int c = tid_again(); c < e_nrows * (HD / 8); c += KT::THREADS) {
+    for (int c = reg_again<TID_X>(); c < e_nrows * (HD / 8); c += KT::THREADS) {
       const int lr = c / (HD / 8), part = c % (HD / 8);
       const float f = red[lr * TG];
       const float4 e0 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8);
@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     }
   }
   if (p.num_splits > 1)
-    for (int lr = tid_again(); lr < e_nrows; lr += KT::THREADS)
+    for (int lr = reg_again<TID_X>(); lr < e_nrows; lr += KT::THREADS)
       p.part_ml[(e_row0 + lr) * p.num_splits + e_split] = make_float2(row_m[lr], row_l[lr]);
 }
 

@@ -40,33 +40,20 @@ __device__ __forceinline__ bool any_byte(const unsigned char* f) {
   return *f != 0;
 }
 
-// threadIdx.x and blockIdx.x read again (volatile: not merged with other reads), so that values
-// derived from them need not be held in registers across a loop.
-__device__ __forceinline__ int tid_again() {
+// A special register read again (volatile: not merged with other reads), so that values
+// derived from it need not be held in registers across a loop: reg_again<TID_X>() is
+// threadIdx.x, CTAID_X and CTAID_Y blockIdx.x and .y.
+enum SpecialReg { TID_X, CTAID_X, CTAID_Y };
+template <SpecialReg R>
+__device__ __forceinline__ int reg_again() {
 #if defined(__CUDACC__)
   int t;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  if (R == TID_X) asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  if (R == CTAID_X) asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(t));
+  if (R == CTAID_Y) asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(t));
   return t;
 #else
-  return (int)threadIdx.x;
-#endif
-}
-__device__ __forceinline__ int ctaid_again() {
-#if defined(__CUDACC__)
-  int t;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(t));
-  return t;
-#else
-  return (int)blockIdx.x;
-#endif
-}
-__device__ __forceinline__ int ctaid_y_again() {
-#if defined(__CUDACC__)
-  int t;
-  asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(t));
-  return t;
-#else
-  return (int)blockIdx.y;
+  return (int)(R == TID_X ? threadIdx.x : R == CTAID_X ? blockIdx.x : blockIdx.y);
 #endif
 }
 
