@@ -433,3 +433,20 @@ def test_stock_sdpa_over_a_gathering_cache_is_rewritten(model):
     assert graphs == 3  # the offset static, then symbolic; then 4 rows
     assert c["paged_attention_rewrite"] == c["store_kv_rewrite"] == 2 * graphs, dict(c)
     assert not c.get("sdpa_refused") and not c.get("store_refused"), dict(c)
+
+
+def near_tie(tokens, greedy, logits):
+    """Checks that `tokens` equal greedy decoding's up to the first step where greedy's logits
+    (one [1, vocab] tensor a step) put the other token within 1% of their range of the best, a
+    near tie that rounding may break either way; says where that was. (Shared by the GPU
+    tests and test_transformers_batch.py.)"""
+    n = min(len(tokens), len(greedy))
+    diff = (tokens[:n].cpu() != greedy[:n].cpu()).nonzero().flatten().tolist()
+    if not diff:
+        return "tokens equal"
+    i = diff[0]
+    step = logits[i][0].float()
+    gap = float(step[greedy[i]] - step[tokens[i]])
+    spread = float(step.max() - step.min())
+    assert 0 <= gap <= 0.01 * spread, (i, gap, spread, tokens, greedy)
+    return f"first other token at step {i}: greedy's logit {gap:.2e} above it (range {spread:.1f})"

@@ -128,23 +128,7 @@ def test_prompt_lookup_keeps_the_greedy_tokens_up_to_a_near_tie(model, record):
     greedy = g.sequences[0, CTX:]
     spec = generate(model, ids, paged(model), prompt_lookup_num_tokens=4)[0, CTX:]
     assert spec.shape == greedy.shape
-    record("hf prompt lookup vs greedy", 0.0, near_tie(spec, greedy, g.logits))
-
-
-def near_tie(tokens, greedy, logits):
-    """Checks that `tokens` equal greedy decoding's up to the first step where greedy's logits
-    (one [1, vocab] tensor a step) put the other token within 1% of their range of the best, a
-    near tie that rounding may break either way; says where that was."""
-    n = min(len(tokens), len(greedy))
-    diff = (tokens[:n].cpu() != greedy[:n].cpu()).nonzero().flatten().tolist()
-    if not diff:
-        return "tokens equal"
-    i = diff[0]
-    step = logits[i][0].float()
-    gap = float(step[greedy[i]] - step[tokens[i]])
-    spread = float(step.max() - step.min())
-    assert 0 <= gap <= 0.01 * spread, (i, gap, spread, tokens, greedy)
-    return f"first other token at step {i}: greedy's logit {gap:.2e} above it (range {spread:.1f})"
+    record("hf prompt lookup vs greedy", 0.0, test_transformers.near_tie(spec, greedy, g.logits))
 
 
 @pytest.mark.parametrize("which", ["transformers", "sm70attn"])
@@ -197,7 +181,7 @@ def test_batch_of_8_different_lengths_equals_each_request_alone(model, compiled,
     """8 left-padded requests of 400 to 4000 tokens: each request's 24 tokens equal that request
     generated alone (same scales, same pages per request), eager and compiled with the backend's
     CUDA graphs, up to the first near tie: the attention is bitwise the same batched and alone
-    (test_cuda.py), the model's matrix products of 8 rows and of 1 are not (see near_tie)."""
+    (test_cuda.py), the model's matrix products of 8 rows and of 1 are not (test_transformers.near_tie)."""
     model.set_attn_implementation(hf.NAME)
     ids, mask = left_padded(LENGTHS)
     config = hf.compile_config(mode=None, options={"inner": "cudagraphs"}) if compiled else None
@@ -211,7 +195,7 @@ def test_batch_of_8_different_lengths_equals_each_request_alone(model, compiled,
     for b, n in enumerate(LENGTHS):
         kw = dict(output_logits=True, return_dict_in_generate=True)
         alone = generate(model, ids[b : b + 1, -n:], capped(model, 1), config, **kw)
-        notes.append(near_tie(got[b], alone.sequences[0, n:], alone.logits))
+        notes.append(test_transformers.near_tie(got[b], alone.sequences[0, n:], alone.logits))
     equal = notes.count("tokens equal")
     record(
         f"hf batch of 8 {'compiled' if compiled else 'eager'}",
@@ -225,7 +209,7 @@ def test_speculative_batch_compiled_equals_eager_and_greedy(model, record):
     """The batched verify loop (prompt lookup, 7 drafts, per-request acceptance) on 4 requests
     of different lengths: compiled verify steps (backend CUDA graphs) give the eager loop's
     tokens; each request's tokens are its greedy tokens alone up to the first near tie (a verify
-    step's rows round otherwise than decode steps' rows: see near_tie)."""
+    step's rows round otherwise than decode steps' rows: test_transformers.near_tie)."""
     from torch_sm70attn.integrations import speculative
 
     model.set_attn_implementation(hf.NAME)
@@ -249,7 +233,7 @@ def test_speculative_batch_compiled_equals_eager_and_greedy(model, record):
             output_logits=True,
             return_dict_in_generate=True,
         )
-        notes.append(near_tie(got.tokens[b][:24], g.sequences[0, n:], g.logits))
+        notes.append(test_transformers.near_tie(got.tokens[b][:24], g.sequences[0, n:], g.logits))
     record(
         "hf speculative batch of 4",
         0.0,
