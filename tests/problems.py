@@ -85,7 +85,6 @@ def make_problem(
     )
 
 
-
 def rising_scores(p, seed=0):
     """Makes a problem's scores rise and fall along each request's context in steps, by a
     fraction of a log2 unit and by tens of them (the online softmax's rescale, lazy in the
@@ -106,6 +105,7 @@ def rising_scores(p, seed=0):
         code = level.to(torch.float8_e4m3fn).view(torch.uint8).to(kb.device)
         kb[bt[b, t // ps].to(kb.device), (t % ps).to(kb.device)] = code[:, None, None]
     return p
+
 
 def op_args(p):
     """Positional arguments of torch.ops.sm70attn.paged_attention for a problem dict."""

@@ -187,11 +187,15 @@ def test_each_kernel_kind_on_rising_scores(record, kernel_override, kind):
     lazy-rescale threshold (2^8), and fall back (problems.rising_scores), on each kernel kind,
     with splits and without."""
     if kind == "rf-m16n8k16" and torch.cuda.get_device_capability()[0] < 8:
-        pytest.skip("m16n8k16 needs SM80 (test_each_kernel_kind_meets_the_oracle checks the refusal)")
+        pytest.skip(
+            "m16n8k16 needs SM80 (test_each_kernel_kind_meets_the_oracle checks the refusal)"
+        )
     kernel_override(kind)
     mod = ops.load_cuda_kernels()
     for Q, lens, page in ((8, [3000, 700], 16), (4, [2000, 300], 16), (8, [500, 90], 1648)):
-        p = make_problem(B=2, H_kv=1, G=6, Q=Q, D=256, page_size=page, lens=lens, device=DEV, seed=Q)
+        p = make_problem(
+            B=2, H_kv=1, G=6, Q=Q, D=256, page_size=page, lens=lens, device=DEV, seed=Q
+        )
         rising_scores(p, seed=Q + page)
         assert mod.plan(2, 6, 1, Q, 256, p["block_table"].shape[1] * page)["kernel"] == kind
         check_vs_oracle(record, f"{kind} rising Q={Q} page={page}", p)
