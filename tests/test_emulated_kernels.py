@@ -23,6 +23,7 @@ CASES = [
     "rfkinds",
     "rffuzz",
     "rfrescale",
+    "tinyv",
     "determinism",
     "qmis",
     "big",

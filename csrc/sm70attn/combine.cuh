@@ -1,8 +1,8 @@
-// Split-K combine: out[row] = sum_s w_s 2^e_s o_s / sum_s w_s l_s * v_scale * 2^8 with
-// w_s = 2^(m_s - max_s m_s), o_s the split's partial O (fp16, acc_s / 2^e_s, 2^e_s the power of
-// two of its row sum l_s: params.h, utils.h), in a fixed order that depends on num_splits only
-// (deterministic, no atomics). Splits that saw nothing have m_s = -inf, so w_s = 0 (and
-// l_s = 0, o_s = 0).
+// Split-K combine: out[row] = sum_s w_s 2^e_s o_s / sum_s w_s l_s * v_scale * 2^8 * 2^-12 with
+// w_s = 2^(m_s - max_s m_s), o_s the split's partial O (fp16, acc_s 2^(12 - e_s), 2^e_s the
+// power of two of its row sum l_s: params.h, utils.h), in a fixed order that depends on
+// num_splits only (deterministic, no atomics). Splits that saw nothing have m_s = -inf, so
+// w_s = 0 (and l_s = 0, o_s = 0).
 #pragma once
 
 #include "sm70attn/params.h"
@@ -88,7 +88,8 @@ __global__ void __launch_bounds__(CT::THREADS, CT::MIN_BLOCKS) combine_kernel(co
   const i64 orow = (i64)reg_again<CTAID_X>() * CT::ROWS + (reg_again<TID_X>() >> 5) / WPR;
   if (orow >= (i64)p.B * p.H_q * p.Q) return;
   const int kvh = (int)(orow / p.Q % p.H_q) / p.G;
-  const float f = l > 0.f ? __ldg(p.v_scale + kvh * p.v_scale_stride) * 256.f / l : 0.f;
+  // 2^8 (the kernels' units) x 2^-12 (the partials' headroom: utils.h, partial_scale)
+  const float f = l > 0.f ? __ldg(p.v_scale + kvh * p.v_scale_stride) * 0x1p-4f / l : 0.f;
   *reinterpret_cast<unsigned*>(p.out + orow * D + blockIdx.y * CW + 2 * (reg_again<TID_X>() & 31)) =
       pack_half2(acc0 * f, acc1 * f);
 }

@@ -9,7 +9,8 @@
 // Four barriers per tile; five where S shares the K tile's memory (traits.h: S_ALIAS). The
 // next tile's global loads are issued before the math of the current one (register staging,
 // kv_tile.h). The split writes fp16 out directly (num_splits == 1) or partials for combine.cuh
-// (row max, row sum, and O in fp16 over the sum's power of two: utils.h, partial_scale).
+// (row max, row sum, and O in fp16 over the sum's power of two, times 2^12: utils.h,
+// partial_scale).
 // D is permuted within groups of 4 in shared memory (Q, K, V and O alike; e4m3.h).
 //
 // Few rows (decode, G * Q <= 16) use this same kernel with the rows padded to 16: padding

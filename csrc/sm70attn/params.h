@@ -53,8 +53,8 @@ struct PagedAttnParams {
   int k_scale_stride, v_scale_stride;
   __half* out;         // [B, H_q, Q, D] contiguous
   // Split partials (num_splits > 1 only): each split's unnormalised O over the power of two of
-  // its row sum, in fp16 (half the bytes of fp32; utils.h: partial_scale), and (row max in log2
-  // units, row sum). A row that saw nothing: O = 0, (-inf, 0).
+  // its row sum, times 2^12, in fp16 (half the bytes of fp32; utils.h: partial_scale), and (row
+  // max in log2 units, row sum). A row that saw nothing: O = 0, (-inf, 0).
   __half* part_acc;    // [B * H_q * Q, num_splits, D]
   float2* part_ml;     // [B * H_q * Q, num_splits]
   int B, H_q, H_kv, G, Q, D;

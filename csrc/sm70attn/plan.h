@@ -60,7 +60,7 @@ inline void set_divisors(PagedAttnParams& p) {
 }
 
 // Where the plan's workspace goes in p (part_acc first, then part_ml: D / 2 floats a partial
-// row, D even, so part_ml stays 8-byte aligned).
+// row; D a multiple of 64, so part_ml stays 8-byte aligned).
 inline void set_workspace(PagedAttnParams& p, float* ws) {
   p.part_acc = reinterpret_cast<__half*>(ws);
   p.part_ml = ws ? reinterpret_cast<float2*>(ws + (i64)p.B * p.H_q * p.Q * p.num_splits * (p.D / 2)) : nullptr;

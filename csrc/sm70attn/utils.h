@@ -64,14 +64,18 @@ __device__ __forceinline__ unsigned pack_half2(float a, float b) {
          ((unsigned)__half_as_ushort(__float2half_rn(b)) << 16);
 }
 
-// A split's partial O is acc / 2^e, 2^e the power of two of its row sum l (2^e <= l < 2^(e+1);
-// params.h). Dividing by a power of two rounds nothing and costs two integer instructions (no
-// division), and since |acc| <= l max|V|, |acc / 2^e| < 2 max|V| (3.5 in the kernels' 2^-8
-// units): fp16 holds it with fp16's relative precision. partial_scale: 2^-e, 0 where l = 0 (a
-// row that saw nothing; its acc is 0). partial_weight: 2^e, which the combine weighs the partial
-// by (0 for l = 0, +inf for a NaN l: the row comes out NaN, as it should).
+// A split's partial O is acc 2^(12 - e), 2^e the power of two of its row sum l (2^e <= l <
+// 2^(e+1); params.h). Scaling by a power of two rounds nothing and costs two integer
+// instructions (no division). Since |acc| <= l max|V|, |acc / 2^e| < 2 max|V| (3.75 in the
+// kernels' 2^-8 units), so the 2^12 puts the partials at most 15360, under fp16's 65504, and
+// moves fp16's subnormals (below 2^-14, where its precision is absolute) down by 2^12: without
+// it a partial of 2^-14 kernel units (2^-6 v_scale) already lost relative precision. The
+// combine takes the 2^12 out in its final factor, exactly. partial_scale: 2^(12 - e), 0 where
+// l = 0 (a row that saw nothing; its acc is 0); l < 2^40 (the lazy rescale bounds p by 2^8).
+// partial_weight: 2^e, which the combine weighs the partial by (0 for l = 0, +inf for a NaN
+// l: the row comes out NaN, as it should).
 __device__ __forceinline__ float partial_scale(float l) {
-  return l > 0.f ? __uint_as_float((254u << 23) - (__float_as_uint(l) & 0x7f800000u)) : 0.f;
+  return l > 0.f ? __uint_as_float(((254u + 12u) << 23) - (__float_as_uint(l) & 0x7f800000u)) : 0.f;
 }
 __device__ __forceinline__ float partial_weight(float l) { return __uint_as_float(__float_as_uint(l) & 0x7f800000u); }
 

@@ -327,6 +327,31 @@ int main(int argc, char** argv) {
     p.seq_lens = {380};
     check("big D128 G8 Q16", p, 3);
   }
+  if (want("tinyv")) {  // small V codes (e4m3 exponent field <= vexp), v_scale 1, 12 splits: partials
+                        // near fp16's subnormals (without the partials' 2^12: 1.6-4.4 of the tolerance)
+    for (int vexp : {0, 1}) {
+      for (int cfg = 0; cfg < 3; ++cfg) {
+        Problem p = cfg == 0 ? make(2, 8, 2, 1, 128, 16, 260, 130, 0, true)
+                  : cfg == 1 ? make(1, 6, 1, 8, 256, 16, 260, 130, 0, false)
+                             : make(1, 6, 1, 4, 256, 16, 260, 130, 0, false);
+        p.seq_lens = cfg == 0 ? std::vector<int>{2000, 1700} : std::vector<int>{2000};
+        std::mt19937 r2(7);
+        for (size_t i = p.v_off; i < p.kv.size(); ++i) {
+          const unsigned r = r2();
+          p.kv[i] = (unsigned char)((r & 0x80) | ((r >> 8) % (vexp + 1)) << 3 | ((r >> 16) & 7));
+        }
+        for (auto& v : p.vs) v = 1.0f;
+        for (int kind : {0, 1}) {  // the WMMA kernel; the register-fragment one (D256)
+          if (kind == 1 && cfg == 0) continue;
+          g_kind = kind;
+          char name[96];
+          snprintf(name, sizeof name, "tinyv e<=%d cfg%d kind%d s12", vexp, cfg, kind);
+          check(name, p, 4, 12);
+        }
+        g_kind = -1;
+      }
+    }
+  }
   if (want("odd")) {  // D64 G5 Q7 (35 rows, MB3) with many splits
     Problem p = make(2, 10, 2, 7, 64, 7, 50, 40, 0, true);
     p.seq_lens = {270, 6};
