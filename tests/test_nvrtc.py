@@ -15,14 +15,14 @@ from torch_sm70attn.manifest import MANIFEST
 
 
 def have_nvrtc() -> bool:
+    """An NVRTC that compiles for sm_70: CUDA 12's (CUDA 13 dropped sm_70)."""
     try:
-        nvrtc.toolkit()
-        return True
+        return nvrtc.toolkit().version[0] == 12
     except RuntimeError:
         return False
 
 
-needs_nvrtc = pytest.mark.skipif(not have_nvrtc(), reason="no NVRTC (the extra cuda12)")
+needs_nvrtc = pytest.mark.skipif(not have_nvrtc(), reason="no CUDA 12 NVRTC (the extra cuda12)")
 
 
 def test_every_listed_kernel_has_one_name_and_the_manifest_its_kernels():
