@@ -401,3 +401,108 @@ def test_left_padded_batch_equals_stock_over_the_same_values_up_to_a_tie(model):
     for b in range(ids.shape[0]):
         stock_b = [step[b : b + 1] for step in stock.logits]  # this request's logits a step
         near_tie(ours.sequences[b, n:], stock.sequences[b, n:], stock_b)
+
+
+# --- continuous batching: requests join a running batch ------------------------------------------
+def test_serve_emits_each_requests_greedy_tokens(model):
+    """Six requests of 4-40 tokens through 2 slots: each joins as a slot frees and emits the
+    tokens greedy decoding emits for it alone."""
+    prompts = requests((4, 40, 13, 27, 9, 33), seed=4)
+    c = cache(model, 2)
+    out = speculative.serve(model, prompts, cache=c, max_new_tokens=16, drafts=4)
+    assert out.steps < 6 * 16 // 2 and max(out.accepted) > 0  # drafts were accepted
+    assert len(out.emitted) == len(out.times)
+    for b, p in enumerate(prompts):
+        alone = gen(model, p[None], cache(model), new=16)
+        assert torch.equal(out.tokens[b], alone[0]), (b, out.tokens[b], alone[0])
+        assert sum(r[b] for r in out.emitted) == 16
+    # a request starts only when one before it ends: never more than 2 emit in a round
+    assert max(sum(k > 0 for k in r) for r in out.emitted) <= 2
+
+
+def test_serve_compiled_verify_steps_one_graph(model):
+    """Compiled verify steps give the eager loop's tokens in one graph while requests come and
+    go, and a second call on the same cache keeps the table (a CUDA graph replays it)."""
+    prompts = requests((4, 40, 13, 27, 9), seed=5)
+    want = speculative.serve(model, prompts, cache=cache(model, 2), max_new_tokens=12, drafts=3)
+    backend, graphs = counting_backend()
+    fwd = torch.compile(model, backend=backend, fullgraph=True)
+    c = cache(model, 2)
+    got = speculative.serve(model, prompts, cache=c, max_new_tokens=12, drafts=3, forward=fwd)
+    table, lens = c._table, c._lens
+    again = speculative.serve(model, prompts, cache=c, max_new_tokens=12, drafts=3, forward=fwd)
+    assert c._table is table and c._lens is lens
+    for out in (got, again):
+        assert [t.tolist() for t in out.tokens] == [t.tolist() for t in want.tokens]
+    assert len(graphs) == 1, graphs  # requests came and went: one verify graph
+
+
+def test_serve_finishing_at_the_prompt_and_at_eos(model):
+    prompts = requests((5, 12, 30), seed=6)
+    out = speculative.serve(model, prompts, cache=cache(model, 2), max_new_tokens=1)
+    assert out.steps == 0 and [t.numel() for t in out.tokens] == [1, 1, 1]
+    full = speculative.serve(model, prompts, cache=cache(model, 2), max_new_tokens=10, drafts=2)
+    eos = int(full.tokens[1][3])  # request 1 stops at its 4th token (or earlier, if it repeats)
+    cut = speculative.serve(
+        model, prompts, cache=cache(model, 2), max_new_tokens=10, drafts=2, eos_token_id=eos
+    )
+    for a, b in zip(full.tokens, cut.tokens, strict=True):
+        n = (a == eos).nonzero().flatten()
+        want = a if not n.numel() else a[: int(n[0]) + 1]
+        assert torch.equal(b, want), (a, b)
+
+
+def test_a_prompt_through_request_b_touches_request_b_only(model):
+    """cache.request(b): a batch of one over request b's pages; the others' pages, lengths and
+    the logits match a fresh cache of one, bit for bit."""
+    a, b_, c_ = requests((20, 11, 35), seed=7)
+    c = cache(model, 3)
+    c.start(3, "cpu")
+    with torch.no_grad():
+        for slot, p in ((0, a), (2, c_)):
+            model(p[None], cache=c.request(slot), position_ids=torch.arange(p.numel())[None])
+        keys = [layer.keys.clone() for layer in c.layers]
+        lens = c._lens.clone()
+        got = model(b_[None], cache=c.request(1), position_ids=torch.arange(b_.numel())[None])
+        want = model(b_[None], cache=cache(model), position_ids=torch.arange(b_.numel())[None])
+    assert torch.equal(got.logits, want.logits)
+    assert c._lens.tolist() == [lens[0], b_.numel(), lens[2]]
+    W = c._table.shape[1] * c.page_size  # request 1 owns pages W .. 2W - 1 (as tokens)
+    for layer, before in zip(c.layers, keys, strict=True):
+        flat, old = layer.keys.flatten(0, 1), before.flatten(0, 1)
+        assert torch.equal(flat[:W].view(torch.uint8), old[:W].view(torch.uint8))
+        assert torch.equal(flat[2 * W :].view(torch.uint8), old[2 * W :].view(torch.uint8))
+        assert not torch.equal(flat[W : 2 * W].view(torch.uint8), old[W : 2 * W].view(torch.uint8))
+    c.release(1)
+    assert c._lens.tolist() == [lens[0], 0, lens[2]]
+
+
+def test_request_views_refuse_what_they_cannot_serve(model):
+    c = cache(model, 2)
+    with pytest.raises(ValueError, match="holds no batch yet"):
+        c.request(0)
+    c.start(2, "cpu")
+    with pytest.raises(IndexError, match="request 2 of a batch of 2"):
+        c.request(2)
+    with pytest.raises(ValueError, match=r"request\(1\): a view takes one request"):
+        model(torch.zeros(2, 3, dtype=torch.long), cache=c.request(1))
+    long = requests((120,), seed=8)[0]
+    with pytest.raises(RuntimeError, match=r"request 1 needs 120 tokens \+ reserve 18.*>= 288"):
+        speculative.serve(model, [long[:20], long], cache=c, max_new_tokens=10, drafts=8)
+    assert c._lens.tolist() == [0, 0]  # refused before any forward: request 0 did not run
+    with pytest.raises(ValueError, match=r"prompt\(s\) \[1\] hold no tokens"):
+        speculative.serve(model, [long, long[:0]], cache=c, max_new_tokens=10)
+    with pytest.raises(TypeError, match="a list of 1-D id tensors"):
+        speculative.serve(model, long, cache=c, max_new_tokens=10)
+    one = speculative.serve(model, [long[:20]], cache=c, max_new_tokens=4)  # a free slot too
+    assert c._table.shape == (2, 128 // c.page_size) and one.tokens[0].numel() == 4
+
+
+def test_serve_counts_saturation_in_the_cache_and_warns_once(model):
+    prompts = requests((30, 40, 25), seed=9)
+    c = cache(model, 2, k_scale=1e-4, v_scale=1e-4)  # far too small: values saturate
+    with pytest.warns(UserWarning, match="saturated") as seen:
+        speculative.serve(model, prompts, cache=c, max_new_tokens=3, drafts=2)
+    assert sum("saturated" in str(w.message) for w in seen) == 1
+    # every prompt (more than 16 rows) counted through its view: layers x H_kv x D x tokens
+    assert min(c.saturated) > 0 and c.counted == 2 * 2 * 128 * (30 + 40 + 25)

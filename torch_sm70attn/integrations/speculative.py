@@ -3,6 +3,8 @@ a batch drafts its own tokens (prompt lookup, or an assistant model), one verify
 checks B x (drafts + 1) rows, each request accepts its own number of drafts (greedy
 acceptance) and the cache crops each request apart (`crop` with a tensor), so the batch stays on the device and in one graph per
 width. transformers' own assisted generation takes one request; this is the loop for several.
+`serve` is the same loop with continuous batching: any number of requests through the cache's
+slots, each joining as a slot frees.
 
     cache = PagedE4M3Cache(model.config, max_tokens=B * (prompt + new + 16), max_batch_size=B)
     out = speculative.generate(model, ids, mask, cache=cache, max_new_tokens=256, drafts=7)
@@ -33,8 +35,10 @@ class Output:
     tokens: list[torch.Tensor]  # per request, its new tokens (CPU int64)
     steps: int  # verify forwards after the prompt
     accepted: list[float]  # per step, the mean accepted drafts over the running requests
-    emitted: list[list[int]]  # per step, the tokens each request emitted (the prompt's first)
-    times: list[float]  # per step, host clock (s) once its tokens were on the host
+    # per step (serve: per round), the tokens each request emitted (the prompt's first) and
+    # the host clock (s) once they were on the host
+    emitted: list[list[int]]
+    times: list[float]
 
 
 def prompt_lookup(tokens: torch.Tensor, k: int, max_ngram: int = 3) -> torch.Tensor:
@@ -95,53 +99,149 @@ def generate(
     length = mask.sum(1).cpu()  # tokens in the cache per request
     done = [max_new_tokens <= 1 or out[b][0] in eos for b in range(B)]
     steps, accepted = 0, []
-    rows = torch.arange(drafts + 1)
     while not all(done):
-        ids = torch.empty(B, drafts + 1, dtype=torch.long)
-        ids[:, 0] = torch.tensor([o[-1] for o in out])
         if assistant is None:
-            for b in range(B):
-                seq = torch.cat([history[b], torch.tensor(out[b])])
-                d = prompt_lookup(seq, drafts, max_ngram)
-                ids[b, 1:] = out[b][-1]  # a filler draft where lookup finds fewer
-                ids[b, 1 : 1 + d.numel()] = d
-            ids_d = ids.to(dev)
+            running = [None if d else o for d, o in zip(done, out, strict=True)]
+            ids_d = _lookup(running, history, drafts, max_ngram).to(dev)
         else:
-            ids_d = _draft(assistant_forward, assistant_cache, ids[:, :1].to(dev), length, drafts)
-        pos = length[:, None] + rows
-        g = forward(ids_d, position_ids=pos.to(dev), cache=cache).logits.argmax(-1)
-        match = (g[:, :drafts] == ids_d[:, 1:]).int().cumprod(1).sum(1)  # accepted drafts
-        # what each request keeps: the last token and its accepted drafts, no more than it
-        # still needs (so a request never holds more than prompt + max_new_tokens - 1 between
-        # steps); a finished request keeps nothing
-        need = torch.tensor(
-            [0 if d else max_new_tokens - len(o) for d, o in zip(done, out, strict=True)]
-        )
-        keep = torch.minimum(match + 1, need.to(dev))
-        cache.crop((keep - (drafts + 1)).int())
+            last = torch.tensor([o[-1] for o in out])[:, None].to(dev)
+            ids_d = _draft(assistant_forward, assistant_cache, last, length, drafts)
+        # each request still needs max_new_tokens - len(out): a finished one keeps nothing
+        need = [0 if d else max_new_tokens - len(o) for d, o in zip(done, out, strict=True)]
+        g, keep, match = _verify(forward, cache, ids_d, length, need)
         if assistant is not None:
-            assistant_cache.crop((keep - (drafts + 1)).int())
-        g, keep, match = g.cpu(), keep.cpu(), match.cpu()
-        cache.check()  # a request past its pages raises here (not expected: reserve covers it)
-        if assistant is not None:
+            assistant_cache.crop((keep - (drafts + 1)).int().to(dev))
             assistant_cache.check()
         steps += 1
         times.append(time.perf_counter())
         accepted.append(float(match[~torch.tensor(done)].float().mean()))
         emitted.append([0] * B)
         for b in range(B):
-            if done[b]:
-                continue
-            new = g[b, : int(keep[b])].tolist()
-            length[b] += int(keep[b])
-            for t in new:
-                out[b].append(t)
-                emitted[-1][b] += 1
-                if len(out[b]) >= max_new_tokens or t in eos:
-                    done[b] = True
-                    break
+            if not done[b]:
+                length[b] += int(keep[b])
+                emitted[-1][b], done[b] = _emit(out[b], g[b, : int(keep[b])], max_new_tokens, eos)
     tokens = [torch.tensor(o[:max_new_tokens]) for o in out]
     return Output(tokens, steps, accepted, emitted, times)
+
+
+@torch.no_grad()
+def serve(
+    model,
+    prompts: list[torch.Tensor],
+    *,
+    cache,
+    max_new_tokens: int,
+    drafts: int = 7,
+    forward=None,
+    eos_token_id: int | list[int] | None = None,
+    max_ngram: int = 3,
+) -> Output:
+    """Continuous batching: greedy generation of max_new_tokens for each of `prompts` (1-D id
+    tensors of any lengths, any number) through the cache's max_batch_size slots (each
+    max_tokens / max_batch_size tokens of pages). A request takes a slot as soon as one is
+    free: its prompt's forward runs alone, eager, through cache.request(slot) (emptied first);
+    then it joins the verify steps, which always run every slot (1 + drafts rows a slot,
+    prompt-lookup drafts; a free slot's rows keep nothing), so a compiled `forward` keeps one
+    graph while requests come and go, and from one call to the next on the same cache. Every
+    request needs prompt + max_new_tokens + drafts tokens of its slot; if one does not fit,
+    the call is refused before any forward. Output: tokens in the order of `prompts`; emitted
+    and times per round (the prompts that joined, then the verify step if a request was
+    running): the tokens each request emitted, the host clock at the round's end; accepted per
+    verify step, over the requests running."""
+    if max_new_tokens < 1 or drafts < 1:
+        raise ValueError("speculative.serve: need max_new_tokens >= 1 and drafts >= 1")
+    if torch.is_tensor(prompts) and prompts.dim() != 2:
+        raise TypeError(
+            "speculative.serve: prompts are a list of 1-D id tensors (or a 2-D tensor, a "
+            f"request a row), not a tensor of {prompts.dim()} dimension(s)"
+        )
+    empty = [i for i, p in enumerate(prompts) if p.numel() == 0]
+    if empty:
+        raise ValueError(f"speculative.serve: prompt(s) {empty} hold no tokens")
+    eos = set() if eos_token_id is None else set(torch.tensor(eos_token_id).reshape(-1).tolist())
+    forward = model if forward is None else forward
+    n, dev, S = len(prompts), model.device, cache._max_batch
+    cache.reset()
+    cache.start(S, dev)  # the same table as the last call's: a compiled step's graph replays
+    # every request within its slot's pages, before any forward
+    for i, p in enumerate(prompts):
+        if p.numel() + max_new_tokens + drafts > cache.limit():
+            raise cache._over_budget(p.numel(), max_new_tokens + drafts, who=f"request {i}")
+    queue = list(range(n))[::-1]  # requests not started, next last
+    slot: list[int | None] = [None] * S  # the request in each slot
+    out: list[list[int]] = [[] for _ in range(n)]
+    history: list[torch.Tensor | None] = [None] * S  # the slot's prompt (CPU)
+    length = torch.zeros(S, dtype=torch.long)  # tokens in the cache per slot
+    steps, accepted, emitted, times = 0, [], [], []
+    while queue or any(i is not None for i in slot):
+        emitted.append([0] * n)
+        for s in range(S):  # free slots take the next requests (one may finish at once)
+            while slot[s] is None and queue:
+                i = queue.pop()
+                ids = prompts[i].reshape(1, -1).to(dev)
+                mask = torch.ones_like(ids)  # (_prompt releases the slot: reset() of its view)
+                logits = _prompt(model, ids, mask, cache.request(s), max_new_tokens + drafts)
+                out[i], emitted[-1][i] = [int(logits[0, -1].argmax())], 1
+                if max_new_tokens > 1 and out[i][0] not in eos:
+                    slot[s], history[s], length[s] = i, ids[0].cpu(), ids.shape[1]
+        if any(i is not None for i in slot):
+            running = [None if i is None else out[i] for i in slot]
+            ids_d = _lookup(running, history, drafts, max_ngram).to(dev)
+            need = [0 if i is None else max_new_tokens - len(out[i]) for i in slot]
+            g, keep, match = _verify(forward, cache, ids_d, length, need)
+            steps += 1
+            busy = torch.tensor([i is not None for i in slot])
+            accepted.append(float(match[busy].float().mean()))
+            for s, i in enumerate(slot):
+                if i is not None:
+                    length[s] += int(keep[s])
+                    k, done = _emit(out[i], g[s, : int(keep[s])], max_new_tokens, eos)
+                    emitted[-1][i] += k
+                    if done:
+                        slot[s] = None
+        times.append(time.perf_counter())
+    return Output([torch.tensor(o) for o in out], steps, accepted, emitted, times)
+
+
+def _emit(out: list[int], new: torch.Tensor, max_new_tokens: int, eos: set) -> tuple[int, bool]:
+    """Append a request's kept tokens to its out, up to max_new_tokens or an eos token;
+    returns (tokens appended, finished)."""
+    for k, t in enumerate(new.tolist()):
+        out.append(t)
+        if len(out) >= max_new_tokens or t in eos:
+            return k + 1, True
+    return new.numel(), False
+
+
+def _lookup(out, history, drafts: int, max_ngram: int) -> torch.Tensor:
+    """[B, 1 + drafts] (CPU): each request's last token and its prompt-lookup drafts (the last
+    token again where lookup finds fewer); a request whose out is None (finished, or a free
+    slot) gets zeros."""
+    ids = torch.zeros(len(out), drafts + 1, dtype=torch.long)
+    for b, o in enumerate(out):
+        if o is None:
+            continue
+        d = prompt_lookup(torch.cat([history[b], torch.tensor(o)]), drafts, max_ngram)
+        ids[b] = o[-1]
+        ids[b, 1 : 1 + d.numel()] = d
+    return ids
+
+
+def _verify(forward, cache, ids_d, length, need):
+    """One verify forward of B x (1 + drafts) rows at positions length (CPU [B]): the greedy
+    token after each row, the drafts each request accepts (up to the first mismatch) and what
+    it keeps: the last token and its accepted drafts, no more than it still needs (`need`
+    [B]; so a request never holds more than prompt + max_new_tokens - 1 between steps). The
+    cache keeps those tokens of each request (crop); returns (greedy, keep, accepted), CPU."""
+    rows, dev = ids_d.shape[1], ids_d.device
+    pos = (length[:, None] + torch.arange(rows)).to(dev)
+    g = forward(ids_d, position_ids=pos, cache=cache).logits.argmax(-1)
+    match = (g[:, : rows - 1] == ids_d[:, 1:]).int().cumprod(1).sum(1)  # accepted drafts
+    keep = torch.minimum(match + 1, torch.tensor(need, device=dev))
+    cache.crop((keep - rows).int())
+    g, keep, match = g.cpu(), keep.cpu(), match.cpu()
+    cache.check()  # a request past its pages raises here (not expected: the reserve covers it)
+    return g, keep, match
 
 
 def _prompt(model, input_ids, mask, cache, reserve: int) -> torch.Tensor:

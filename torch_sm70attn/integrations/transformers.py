@@ -28,6 +28,7 @@ A forward keeps its state on the device, so `generate(..., compile_config=...)` 
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import warnings
@@ -270,6 +271,8 @@ class PagedE4M3Cache(Cache):
         super().__init__(layers=[_Layer(self, ks[i], vs[i]) for i in range(n)])
         self._config = cfg  # for the attention implementation in error messages
         self._table = self._lens = None  # device [B, pages] int32 and [B] int32
+        self._first, self._batch = 0, 0  # request(b) views: b and the batch's size
+        self._root = self  # request(b) views: the cache they view (its counters, its table)
         self._full = self._full_host = None  # device [B] bool: the request went past its pages
         self._step, self._empty = None, True  # the eager forward's slots; no forward since reset
         self._offsets = {}  # Q -> device [B, Q] int64: slot of row r of request b, less its length
@@ -289,7 +292,8 @@ class PagedE4M3Cache(Cache):
             full = self._full.tolist()
             if any(full):
                 warnings.warn(
-                    f"PagedE4M3Cache.reset: request(s) {[b for b, f in enumerate(full) if f]} "
+                    f"PagedE4M3Cache.reset: request(s) "
+                    f"{[self._first + b for b, f in enumerate(full) if f]} "
                     f"had gone past their {self.limit()} tokens: the tokens past it were not "
                     "stored and the outputs after that point are wrong; raise max_tokens",
                     stacklevel=2,
@@ -359,9 +363,9 @@ class PagedE4M3Cache(Cache):
 
     def _raise_full(self, full: list[bool]) -> None:
         if any(full):
-            cap, B = self.limit(), self._table.shape[0]
+            cap, B = self.limit(), self._batch
             self._clear_full()
-            which = [b for b, f in enumerate(full) if f]
+            which = [self._first + b for b, f in enumerate(full) if f]
             raise RuntimeError(
                 f"PagedE4M3Cache is full: request(s) {which} went past their {cap} tokens "
                 f"(max_tokens={self.num_pages * self.page_size} / batch of {B}); the tokens "
@@ -407,6 +411,53 @@ class PagedE4M3Cache(Cache):
         self._lens.copy_(self._lens[beam_idx])
         self._full.copy_(self._full[beam_idx])
 
+    # -- one request of a running batch (continuous batching) ---------------------------------
+    def request(self, b: int) -> PagedE4M3Cache:
+        """The cache of request b alone: a batch of one over this cache's pools and scales and
+        views of request b's pages, length and overflow flag, so that what a forward through it
+        stores is request b's here (and its saturated values count here). A new request joins
+        a running batch in a free slot b: its prompt's forward, eager, with
+        `cache=cache.request(b)` after `release(b)`; the other requests are not touched, and the
+        batch's steps run on this cache as before (speculative.serve does this)."""
+        if self._lens is None:
+            raise ValueError(
+                "PagedE4M3Cache.request: the cache holds no batch yet: run the batch's first "
+                "forward, or start(batch, device)"
+            )
+        B = self._lens.shape[0]
+        if not 0 <= b < B:
+            raise IndexError(f"PagedE4M3Cache.request: request {b} of a batch of {B}")
+        view = copy.copy(self)
+        view._table, view._lens, view._full = (
+            t[b : b + 1] for t in (self._table, self._lens, self._full)
+        )
+        _static(view._table, view._lens, view._full)
+        view._max_batch, view._first, view._full_host, view._offsets = 1, self._first + b, None, {}
+        view._pending, view._step, view._empty = None, None, not bool(self._lens[b])
+        view._sat = []
+        return view
+
+    def release(self, b: int) -> None:
+        """Empty request b (its length and flag; its pages are written over by the next
+        request); the others go on. Warns, as reset() does, if it had gone past its pages
+        unread."""
+        self.request(b).reset()
+
+    def start(self, batch: int, device) -> None:
+        """Make the table of a batch of `batch` empty requests on `device` before any forward
+        (the first forward does it otherwise), for requests that join one by one. The table,
+        lengths and flags of the same batch size and device are kept (a compiled step's CUDA
+        graph reads them where they are): they must be empty (reset() first)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        t = self._table
+        if t is not None and t.shape[0] == batch and t.device == device:
+            if self.get_seq_length():
+                raise ValueError("PagedE4M3Cache.start: the cache holds requests: reset() first")
+            return
+        self._allocate(batch, device)
+
     # -- calibration -----------------------------------------------------------------------------
     @torch.no_grad()
     def calibrate(self, model, input_ids, attention_mask=None, headroom: float = HEADROOM):
@@ -432,6 +483,11 @@ class PagedE4M3Cache(Cache):
     # -- a forward ----------------------------------------------------------------------------------
     def _allocate(self, B: int, device) -> None:
         """The table of a batch of B: request b owns pages b * W .. (b + 1) * W - 1."""
+        if self._root is not self:
+            raise ValueError(
+                f"PagedE4M3Cache.request({self._first}): a view takes one request on "
+                f"{self._table.device}, the forward has {B} on {device}"
+            )
         if B > self._max_batch:
             raise ValueError(f"PagedE4M3Cache: batch {B} > max_batch_size {self._max_batch}")
         # a compiled first forward cannot check (a data-dependent branch): reset() first
@@ -447,6 +503,7 @@ class PagedE4M3Cache(Cache):
                 f"PagedE4M3Cache: {self.num_pages} pages for a batch of {B}: raise max_tokens"
             )
         self._table = torch.arange(B * W, dtype=torch.int32, device=device).view(B, W)
+        self._batch = B
         self._lens = torch.zeros(B, dtype=torch.int32, device=device)
         self._full = torch.zeros(B, dtype=torch.bool, device=device)
         self._full_host, self._offsets, self._pending, self._step = None, {}, None, None
@@ -473,22 +530,26 @@ class PagedE4M3Cache(Cache):
         self._real = sum(n)  # real tokens of this forward (_count)
         need = [a + b for a, b in zip(lens, n, strict=True)]
         fresh = not any(lens) and all(k == Q for k in n)
-        cap, B, ps = self.limit(), len(lens), self.page_size
         reserve = self.reserve if not any(lens) else 0
-        if max(need) + reserve > cap:
-            want = max(need) + reserve
-            fix = (
-                f"the kernels serve at most {contract()} tokens a request"
-                if want > contract()
-                else f"use max_tokens >= {B * ps * -(-want // ps)}"
-            )
-            raise RuntimeError(
-                f"PagedE4M3Cache is full: a request needs {max(need)} tokens"
-                + (f" + reserve {reserve}" if reserve else "")
-                + f", each of the {B} requests holds {cap} (max_tokens / batch): {fix}; "
-                "nothing was stored"
-            )
-        return -(-max(need) // ps), fresh
+        if max(need) + reserve > self.limit():
+            raise self._over_budget(max(need), reserve)
+        return -(-max(need) // self.page_size), fresh
+
+    def _over_budget(self, need: int, reserve: int = 0, who: str = "a request") -> RuntimeError:
+        """The error for a request of `need` tokens plus `reserve` that its pages (limit())
+        cannot hold, with the max_tokens that would (or the kernels' contract)."""
+        cap, B, ps, want = self.limit(), self._batch, self.page_size, need + reserve
+        fix = (
+            f"the kernels serve at most {contract()} tokens a request"
+            if want > contract()
+            else f"use max_tokens >= {B * ps * -(-want // ps)}"
+        )
+        return RuntimeError(
+            f"PagedE4M3Cache is full: {who} needs {need} tokens"
+            + (f" + reserve {reserve}" if reserve else "")
+            + f", each of the {B} requests holds {cap} (max_tokens / batch): {fix}; "
+            "nothing was stored"
+        )
 
     def _advance(self, Q: int, valid) -> None:
         """Layer 0 of a forward: each request's real new tokens. A request they would take
@@ -502,17 +563,18 @@ class PagedE4M3Cache(Cache):
 
     def _slots(self, Q: int, valid) -> torch.Tensor:
         """The slots [B * Q] of the new tokens, after _advance: -1 for padding and for a full
-        request. The table is the identity layout (`_allocate`), so request b's position p is
-        slot b * capacity + p."""
+        request. A request's pages are consecutive (`_allocate`), so position p of the request
+        whose first page is f is slot f * page_size + p."""
         skip = self._full[:, None] if valid is None else self._full[:, None] | ~valid
         return (self._lens[:, None] + self._offset(Q)).masked_fill_(skip, -1).flatten()
 
     def _offset(self, Q: int) -> torch.Tensor:
-        """[B, Q] int64: b * capacity - Q + r (made once per Q outside a compiled graph)."""
+        """[B, Q] int64: first page x page_size - Q + r (made once per Q outside a compiled
+        graph)."""
         off = None if torch.compiler.is_compiling() else self._offsets.get(Q)
         if off is None:
-            B, cap, dev = self._table.shape[0], self.capacity(), self._table.device
-            off = torch.arange(B, device=dev)[:, None] * cap - Q + torch.arange(Q, device=dev)
+            first = self._table[:, :1].long() * self.page_size
+            off = first - Q + torch.arange(Q, device=first.device)
             if not torch.compiler.is_compiling():
                 self._offsets[Q] = off
         return off
@@ -621,14 +683,15 @@ class PagedE4M3Cache(Cache):
             if valid is not None:
                 over &= valid[:, None, :, None]
             self._sat.append(over.sum())
-        self.counted += H * D * self._real
+        root = self._root  # a request(b) view counts into its cache
+        root.counted += H * D * self._real
         if layer_idx == len(self.layers) - 1:
             got = torch.stack(self._sat).view(-1, 2).sum(0).tolist()
             self._sat.clear()
-            self.saturated = [a + b for a, b in zip(self.saturated, got, strict=True)]
-            if any(self.saturated) and not self._warned:
-                self._warned = True
-                frac = [f"{n / max(self.counted, 1):.3%}" for n in self.saturated]
+            root.saturated = [a + b for a, b in zip(root.saturated, got, strict=True)]
+            if any(root.saturated) and not root._warned:
+                root._warned = True
+                frac = [f"{n / max(root.counted, 1):.3%}" for n in root.saturated]
                 warnings.warn(
                     f"PagedE4M3Cache: {frac[0]} of the K and {frac[1]} of the V values stored "
                     "so far saturated at 448 x scale (larger than the scales allow). Calibrate "
