@@ -506,3 +506,24 @@ def test_serve_counts_saturation_in_the_cache_and_warns_once(model):
     assert sum("saturated" in str(w.message) for w in seen) == 1
     # every prompt (more than 16 rows) counted through its view: layers x H_kv x D x tokens
     assert min(c.saturated) > 0 and c.counted == 2 * 2 * 128 * (30 + 40 + 25)
+
+
+def test_serve_prefills_a_long_prompt_in_chunks_between_the_others_steps(model):
+    """prefill_chunk=16: the 60-token request joins over 4 rounds while the first one keeps
+    emitting, and each request still emits its greedy tokens alone (up to a near tie: a
+    chunk's attention adds in another order than the whole prompt's)."""
+    prompts = requests((6, 60, 9), seed=10)
+    got = speculative.serve(
+        model, prompts, cache=cache(model, 2), max_new_tokens=30, drafts=3, prefill_chunk=16
+    )
+    assert [k for k, r in enumerate(got.emitted) if r[1]][0] == 3  # chunks in rounds 0-3
+    assert all(got.emitted[k][0] > 0 for k in range(4))  # request 0 did not wait
+    for b, p in enumerate(prompts):
+        with torch.no_grad():
+            alone = model.generate(
+                p[None], cache=cache(model), max_new_tokens=30, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        near_tie(got.tokens[b], alone.sequences[0, p.numel() :], alone.logits)
+    with pytest.raises(ValueError, match="prefill_chunk >= 1"):
+        speculative.serve(model, prompts, cache=cache(model, 2), max_new_tokens=3, prefill_chunk=0)

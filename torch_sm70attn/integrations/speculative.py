@@ -135,6 +135,7 @@ def serve(
     forward=None,
     eos_token_id: int | list[int] | None = None,
     max_ngram: int = 3,
+    prefill_chunk: int | None = None,
 ) -> Output:
     """Continuous batching: greedy generation of max_new_tokens for each of `prompts` (1-D id
     tensors of any lengths, any number) through the cache's max_batch_size slots (each
@@ -144,7 +145,9 @@ def serve(
     prompt-lookup drafts; a free slot's rows keep nothing), so a compiled `forward` keeps one
     graph while requests come and go, and from one call to the next on the same cache. Every
     request needs prompt + max_new_tokens + drafts tokens of its slot; if one does not fit,
-    the call is refused before any forward. Output: tokens in the order of `prompts`; emitted
+    the call is refused before any forward. prefill_chunk: a joining prompt runs this many
+    tokens a round (between the others' verify steps, which then do not wait for a whole long
+    prompt), not all at once. Output: tokens in the order of `prompts`; emitted
     and times per round (the prompts that joined, then the verify step if a request was
     running): the tokens each request emitted, the host clock at the round's end; accepted per
     verify step, over the requests running."""
@@ -167,33 +170,49 @@ def serve(
     for i, p in enumerate(prompts):
         if p.numel() + max_new_tokens + drafts > cache.limit():
             raise cache._over_budget(p.numel(), max_new_tokens + drafts, who=f"request {i}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError("speculative.serve: prefill_chunk >= 1 tokens (or None: whole prompts)")
     queue = list(range(n))[::-1]  # requests not started, next last
     slot: list[int | None] = [None] * S  # the request in each slot
+    filled = [0] * S  # prompt tokens stored: running once the whole prompt is
     out: list[list[int]] = [[] for _ in range(n)]
     history: list[torch.Tensor | None] = [None] * S  # the slot's prompt (CPU)
     length = torch.zeros(S, dtype=torch.long)  # tokens in the cache per slot
     steps, accepted, emitted, times = 0, [], [], []
     while queue or any(i is not None for i in slot):
         emitted.append([0] * n)
-        for s in range(S):  # free slots take the next requests (one may finish at once)
-            while slot[s] is None and queue:
-                i = queue.pop()
-                ids = prompts[i].reshape(1, -1).to(dev)
-                mask = torch.ones_like(ids)  # (_prompt releases the slot: reset() of its view)
-                logits = _prompt(model, ids, mask, cache.request(s), max_new_tokens + drafts)
+        for s in range(S):  # free slots take the next requests; a joining one its next chunk
+            while slot[s] is not None or queue:
+                if slot[s] is None:
+                    slot[s], filled[s] = queue.pop(), 0
+                i, L = slot[s], prompts[slot[s]].numel()
+                if filled[s] == L:
+                    break  # running
+                ids = prompts[i].reshape(1, -1)[:, filled[s] : filled[s] + (prefill_chunk or L)]
+                logits = _chunk(
+                    model, ids.to(dev), cache.request(s), filled[s], max_new_tokens + drafts
+                )
+                filled[s] += ids.shape[1]
+                length[s] = filled[s]  # (a joining slot's verify rows keep nothing)
+                if filled[s] < L:
+                    break  # the next chunk next round
                 out[i], emitted[-1][i] = [int(logits[0, -1].argmax())], 1
                 if max_new_tokens > 1 and out[i][0] not in eos:
-                    slot[s], history[s], length[s] = i, ids[0].cpu(), ids.shape[1]
-        if any(i is not None for i in slot):
-            running = [None if i is None else out[i] for i in slot]
-            ids_d = _lookup(running, history, drafts, max_ngram).to(dev)
-            need = [0 if i is None else max_new_tokens - len(out[i]) for i in slot]
+                    history[s] = prompts[i].reshape(-1).cpu()
+                    break
+                slot[s] = None  # done at its first token: the slot takes the next request
+        running = [i is not None and filled[s] == prompts[i].numel() for s, i in enumerate(slot)]
+        if any(running):
+            last = [out[i] if r else None for i, r in zip(slot, running, strict=True)]
+            ids_d = _lookup(last, history, drafts, max_ngram).to(dev)
+            need = [
+                max_new_tokens - len(out[i]) if r else 0 for i, r in zip(slot, running, strict=True)
+            ]
             g, keep, match = _verify(forward, cache, ids_d, length, need)
             steps += 1
-            busy = torch.tensor([i is not None for i in slot])
-            accepted.append(float(match[busy].float().mean()))
+            accepted.append(float(match[torch.tensor(running)].float().mean()))
             for s, i in enumerate(slot):
-                if i is not None:
+                if running[s]:
                     length[s] += int(keep[s])
                     k, done = _emit(out[i], g[s, : int(keep[s])], max_new_tokens, eos)
                     emitted[-1][i] += k
@@ -242,6 +261,22 @@ def _verify(forward, cache, ids_d, length, need):
     g, keep, match = g.cpu(), keep.cpu(), match.cpu()
     cache.check()  # a request past its pages raises here (not expected: the reserve covers it)
     return g, keep, match
+
+
+def _chunk(model, ids, cache, start: int, reserve: int) -> torch.Tensor:
+    """Tokens start .. start + len of one request's prompt, through its cache (a request(b)
+    view, emptied at start 0, where the reserve is checked too): the last logits [1, 1, V]."""
+    if start == 0:
+        cache.reset()
+    saved, cache.reserve = cache.reserve, reserve
+    pos = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
+    try:
+        return model(
+            ids, attention_mask=torch.ones_like(ids), position_ids=pos, cache=cache,
+            logits_to_keep=1,
+        ).logits  # fmt: skip
+    finally:
+        cache.reserve = saved
 
 
 def _prompt(model, input_ids, mask, cache, reserve: int) -> torch.Tensor:
