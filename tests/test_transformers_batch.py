@@ -527,3 +527,39 @@ def test_serve_prefills_a_long_prompt_in_chunks_between_the_others_steps(model):
         near_tie(got.tokens[b], alone.sequences[0, p.numel() :], alone.logits)
     with pytest.raises(ValueError, match="prefill_chunk >= 1"):
         speculative.serve(model, prompts, cache=cache(model, 2), max_new_tokens=3, prefill_chunk=0)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_serve_with_an_assistant_model(model, same):
+    """serve's drafts from an assistant model with its own slots: the model itself (every draft
+    accepted), or another random one joining in chunks too; each request emits its greedy
+    tokens alone (up to a near tie where prompts join in chunks)."""
+    if same:
+        assistant, chunk = model, None
+    else:
+        torch.manual_seed(1)
+        cfg = tiny(hidden=128, heads=4, head_dim=64)
+        assistant = AutoModelForCausalLM.from_config(
+            cfg, attn_implementation=hf.NAME, dtype=torch.float16
+        )
+        chunk = 16
+    prompts = requests((4, 40, 13, 27, 9), seed=11)
+    out = speculative.serve(
+        model, prompts, cache=cache(model, 2), max_new_tokens=16, drafts=3, prefill_chunk=chunk,
+        assistant=assistant, assistant_cache=cache(assistant, 2),
+    )  # fmt: skip
+    if same:
+        assert out.accepted == [3.0] * out.steps, out.accepted  # every draft accepted
+    for b, p in enumerate(prompts):
+        with torch.no_grad():
+            alone = model.generate(
+                p[None], cache=cache(model), max_new_tokens=16, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        tie = near_tie(out.tokens[b], alone.sequences[0, p.numel() :], alone.logits)
+        assert not same or tie == "tokens equal", tie  # whole prompts: exactly greedy
+    with pytest.raises(ValueError, match="assistant_cache of 2 slots"):
+        speculative.serve(
+            model, prompts, cache=cache(model, 2), max_new_tokens=4, assistant=assistant,
+            assistant_cache=cache(assistant, 3),
+        )  # fmt: skip

@@ -136,6 +136,9 @@ def serve(
     eos_token_id: int | list[int] | None = None,
     max_ngram: int = 3,
     prefill_chunk: int | None = None,
+    assistant=None,
+    assistant_cache=None,
+    assistant_forward=None,
 ) -> Output:
     """Continuous batching: greedy generation of max_new_tokens for each of `prompts` (1-D id
     tensors of any lengths, any number) through the cache's max_batch_size slots (each
@@ -147,7 +150,9 @@ def serve(
     request needs prompt + max_new_tokens + drafts tokens of its slot; if one does not fit,
     the call is refused before any forward. prefill_chunk: a joining prompt runs this many
     tokens a round (between the others' verify steps, which then do not wait for a whole long
-    prompt), not all at once. Output: tokens in the order of `prompts`; emitted
+    prompt), not all at once. assistant, assistant_cache, assistant_forward: drafts from a
+    smaller model instead of prompt lookup, as in generate(); its cache has as many slots, and
+    a joining prompt runs through both. Output: tokens in the order of `prompts`; emitted
     and times per round (the prompts that joined, then the verify step if a request was
     running): the tokens each request emitted, the host clock at the round's end; accepted per
     verify step, over the requests running."""
@@ -164,12 +169,22 @@ def serve(
     eos = set() if eos_token_id is None else set(torch.tensor(eos_token_id).reshape(-1).tolist())
     forward = model if forward is None else forward
     n, dev, S = len(prompts), model.device, cache._max_batch
-    cache.reset()
-    cache.start(S, dev)  # the same table as the last call's: a compiled step's graph replays
-    # every request within its slot's pages, before any forward
-    for i, p in enumerate(prompts):
-        if p.numel() + max_new_tokens + drafts > cache.limit():
-            raise cache._over_budget(p.numel(), max_new_tokens + drafts, who=f"request {i}")
+    caches = [cache]
+    if assistant is not None:
+        if assistant_cache is None or assistant_cache._max_batch != S:
+            raise ValueError(
+                f"speculative.serve: an assistant needs its own assistant_cache of {S} slots "
+                "(max_batch_size), as many as the cache's"
+            )
+        caches.append(assistant_cache)
+        assistant_forward = assistant if assistant_forward is None else assistant_forward
+    for c in caches:
+        c.reset()
+        c.start(S, dev)  # the same table as the last call's: a compiled step's graph replays
+        # every request within its slot's pages, before any forward
+        for i, p in enumerate(prompts):
+            if p.numel() + max_new_tokens + drafts > c.limit():
+                raise c._over_budget(p.numel(), max_new_tokens + drafts, who=f"request {i}")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError("speculative.serve: prefill_chunk >= 1 tokens (or None: whole prompts)")
     queue = list(range(n))[::-1]  # requests not started, next last
@@ -189,9 +204,10 @@ def serve(
                 if filled[s] == L:
                     break  # running
                 ids = prompts[i].reshape(1, -1)[:, filled[s] : filled[s] + (prefill_chunk or L)]
-                logits = _chunk(
-                    model, ids.to(dev), cache.request(s), filled[s], max_new_tokens + drafts
-                )
+                reserve = max_new_tokens + drafts
+                logits = _chunk(model, ids.to(dev), cache.request(s), filled[s], reserve)
+                if assistant is not None:
+                    _chunk(assistant, ids.to(dev), assistant_cache.request(s), filled[s], reserve)
                 filled[s] += ids.shape[1]
                 length[s] = filled[s]  # (a joining slot's verify rows keep nothing)
                 if filled[s] < L:
@@ -204,11 +220,18 @@ def serve(
         running = [i is not None and filled[s] == prompts[i].numel() for s, i in enumerate(slot)]
         if any(running):
             last = [out[i] if r else None for i, r in zip(slot, running, strict=True)]
-            ids_d = _lookup(last, history, drafts, max_ngram).to(dev)
+            if assistant is None:
+                ids_d = _lookup(last, history, drafts, max_ngram).to(dev)
+            else:
+                first = torch.tensor([o[-1] if o else 0 for o in last])[:, None].to(dev)
+                ids_d = _draft(assistant_forward, assistant_cache, first, length, drafts)
             need = [
                 max_new_tokens - len(out[i]) if r else 0 for i, r in zip(slot, running, strict=True)
             ]
             g, keep, match = _verify(forward, cache, ids_d, length, need)
+            if assistant is not None:
+                assistant_cache.crop((keep - (drafts + 1)).int().to(dev))
+                assistant_cache.check()
             steps += 1
             accepted.append(float(match[torch.tensor(running)].float().mean()))
             for s, i in enumerate(slot):
