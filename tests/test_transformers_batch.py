@@ -498,14 +498,28 @@ def test_request_views_refuse_what_they_cannot_serve(model):
     assert c._table.shape == (2, 128 // c.page_size) and one.tokens[0].numel() == 4
 
 
-def test_serve_counts_saturation_in_the_cache_and_warns_once(model):
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_serve_counts_saturation_in_the_cache_and_warns_once(model, chunk):
     prompts = requests((30, 40, 25), seed=9)
     c = cache(model, 2, k_scale=1e-4, v_scale=1e-4)  # far too small: values saturate
     with pytest.warns(UserWarning, match="saturated") as seen:
-        speculative.serve(model, prompts, cache=c, max_new_tokens=3, drafts=2)
+        speculative.serve(model, prompts, cache=c, max_new_tokens=3, drafts=2, prefill_chunk=chunk)
     assert sum("saturated" in str(w.message) for w in seen) == 1
-    # every prompt (more than 16 rows) counted through its view: layers x H_kv x D x tokens
+    # every prompt token counted through its view, chunks of 8 rows too: layers x H_kv x D x
+    # tokens
     assert min(c.saturated) > 0 and c.counted == 2 * 2 * 128 * (30 + 40 + 25)
+
+
+def test_serve_in_chunks_calibrates_on_the_first_prompt_whole(model):
+    """Default scales come from the first tokens stored: with prefill_chunk they come from the
+    first prompt whole, not its first chunk (the same scales as without chunks)."""
+    prompts = requests((30, 12), seed=12)
+    whole, chunked = cache(model, 2, k_scale=None, v_scale=None), None
+    speculative.serve(model, prompts, cache=whole, max_new_tokens=3)
+    chunked = cache(model, 2, k_scale=None, v_scale=None)
+    speculative.serve(model, prompts, cache=chunked, max_new_tokens=3, prefill_chunk=1)
+    for a, b in zip(whole.layers, chunked.layers, strict=True):
+        assert torch.equal(a.k_scale, b.k_scale) and torch.equal(a.v_scale, b.v_scale)
 
 
 def test_serve_prefills_a_long_prompt_in_chunks_between_the_others_steps(model):

@@ -143,19 +143,23 @@ def serve(
     """Continuous batching: greedy generation of max_new_tokens for each of `prompts` (1-D id
     tensors of any lengths, any number) through the cache's max_batch_size slots (each
     max_tokens / max_batch_size tokens of pages). A request takes a slot as soon as one is
-    free: its prompt's forward runs alone, eager, through cache.request(slot) (emptied first);
-    then it joins the verify steps, which always run every slot (1 + drafts rows a slot,
-    prompt-lookup drafts; a free slot's rows keep nothing), so a compiled `forward` keeps one
-    graph while requests come and go, and from one call to the next on the same cache. Every
-    request needs prompt + max_new_tokens + drafts tokens of its slot; if one does not fit,
-    the call is refused before any forward. prefill_chunk: a joining prompt runs this many
-    tokens a round (between the others' verify steps, which then do not wait for a whole long
-    prompt), not all at once. assistant, assistant_cache, assistant_forward: drafts from a
-    smaller model instead of prompt lookup, as in generate(); its cache has as many slots, and
-    a joining prompt runs through both. Output: tokens in the order of `prompts`; emitted
-    and times per round (the prompts that joined, then the verify step if a request was
-    running): the tokens each request emitted, the host clock at the round's end; accepted per
-    verify step, over the requests running."""
+    free: its prompt runs alone, eager, through cache.request(slot) (emptied first); then it
+    joins the verify steps, which always run every slot (1 + drafts rows a slot; the rows of a
+    free or joining slot keep nothing), so a compiled `forward` keeps one graph while requests
+    come and go, and from one call to the next on the same cache. Every request needs prompt +
+    max_new_tokens + drafts tokens of its slot; if one does not fit, the call is refused before
+    any forward. Drafts come from prompt lookup, or from `assistant` (a smaller model, as in
+    generate(); `assistant_cache` has as many slots, a joining prompt runs through both).
+
+    prefill_chunk: a joining prompt runs this many tokens a round, between the others' verify
+    steps (which then do not wait for a whole long prompt), not all at once; a slot whose
+    request ends at its first token takes the next request's first chunk in the same round.
+    Where a cache's scales are calibrated from the first tokens (the default), the first prompt
+    calibrates them whole first (`cache.calibrate`), not its first chunk.
+
+    Output: tokens in the order of `prompts`; emitted and times per round (the prompts that
+    joined, then the verify step if a request was running): the tokens each request emitted,
+    the host clock at the round's end; accepted per verify step, over the requests running."""
     if max_new_tokens < 1 or drafts < 1:
         raise ValueError("speculative.serve: need max_new_tokens >= 1 and drafts >= 1")
     if torch.is_tensor(prompts) and prompts.dim() != 2:
@@ -166,6 +170,8 @@ def serve(
     empty = [i for i, p in enumerate(prompts) if p.numel() == 0]
     if empty:
         raise ValueError(f"speculative.serve: prompt(s) {empty} hold no tokens")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError("speculative.serve: prefill_chunk >= 1 tokens (or None: whole prompts)")
     eos = set() if eos_token_id is None else set(torch.tensor(eos_token_id).reshape(-1).tolist())
     forward = model if forward is None else forward
     n, dev, S = len(prompts), model.device, cache._max_batch
@@ -185,8 +191,10 @@ def serve(
         for i, p in enumerate(prompts):
             if p.numel() + max_new_tokens + drafts > c.limit():
                 raise c._over_budget(p.numel(), max_new_tokens + drafts, who=f"request {i}")
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise ValueError("speculative.serve: prefill_chunk >= 1 tokens (or None: whole prompts)")
+    for c, m in zip(caches, (model, assistant)[: len(caches)], strict=True):
+        if prefill_chunk is not None and n and c._uncalibrated():  # the first prompt, whole
+            c.calibrate(m, prompts[0].reshape(1, -1).to(dev))
+            c.start(S, dev)
     queue = list(range(n))[::-1]  # requests not started, next last
     slot: list[int | None] = [None] * S  # the request in each slot
     filled = [0] * S  # prompt tokens stored: running once the whole prompt is

@@ -443,6 +443,10 @@ class PagedE4M3Cache(Cache):
         unread."""
         self.request(b).reset()
 
+    def _uncalibrated(self) -> bool:
+        """Whether a layer's scales are still to be calibrated from the first tokens stored."""
+        return any(layer.k_scale is None and None in layer.given for layer in self.layers)
+
     def start(self, batch: int, device) -> None:
         """Make the table of a batch of `batch` empty requests on `device` before any forward
         (the first forward does it otherwise), for requests that join one by one. The table,
@@ -625,7 +629,8 @@ class PagedE4M3Cache(Cache):
                 self._allocate(B, key_states.device)
             pages, fresh = None, False
             if not compiling:
-                if Q > MAX_ROWS or self._empty:  # a prompt or prefill: one device read
+                # a prompt, a prefill or a request(b) view's chunk of one: one device read
+                if Q > MAX_ROWS or self._empty or self._root is not self:
                     pages, fresh = self._prompt_checks(Q, valid)
                     pages = pages if Q > MAX_ROWS else None
                 self._empty = False
@@ -648,7 +653,7 @@ class PagedE4M3Cache(Cache):
         sa.store_kv(
             k, v, layer.keys, layer.values, slots, k_scale=layer.k_scale, v_scale=layer.v_scale
         )
-        if Q > MAX_ROWS and not compiling and self._calibrate is None:
+        if (Q > MAX_ROWS or self._root is not self) and not compiling and self._calibrate is None:
             self._count(layer_idx, key_states, value_states, valid, layer)
         return (
             layer.keys,
