@@ -437,6 +437,28 @@ def test_serve_compiled_verify_steps_one_graph(model):
     assert len(graphs) == 1, graphs  # requests came and went: one verify graph
 
 
+def test_serve_records_one_cuda_graph_over_two_calls(model, monkeypatch):
+    """The backend's CUDA-graph recorder (emulated on the CPU, as tests/test_cudagraphs.py
+    does) records the verify step once: a second call on the same cache keeps its table,
+    lengths and flags where the graph reads them (it was recorded again per call before)."""
+    from test_cudagraphs import emulated
+    from torch._dynamo.utils import counters
+
+    emulated(monkeypatch)
+    prompts = requests((4, 40, 13, 27, 9), seed=5)
+    torch._dynamo.reset()
+    fwd = torch.compile(
+        model, backend=hf.NAME, fullgraph=True, dynamic=False, options={"inner": "cudagraphs"}
+    )
+    c, outs = cache(model, 2), []
+    counters.clear()
+    for _ in range(2):
+        outs.append(speculative.serve(model, prompts, cache=c, max_new_tokens=12, drafts=3,
+                                      forward=fwd))  # fmt: skip
+        assert counters["sm70attn"]["cuda_graph_recordings"] == 1, dict(counters["sm70attn"])
+    assert [t.tolist() for t in outs[0].tokens] == [t.tolist() for t in outs[1].tokens]
+
+
 def test_serve_finishing_at_the_prompt_and_at_eos(model):
     prompts = requests((5, 12, 30), seed=6)
     out = speculative.serve(model, prompts, cache=cache(model, 2), max_new_tokens=1)
