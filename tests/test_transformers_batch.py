@@ -60,6 +60,17 @@ def cache(model, batch=1, **kw):
     return hf.PagedE4M3Cache(model.config, max_tokens=batch * CAP, max_batch_size=batch, **kw)
 
 
+def greedy_alone(model, prompt, new):
+    """A request generated alone, greedy: its new tokens and the logits of each step (for
+    test_transformers.near_tie)."""
+    with torch.no_grad():
+        out = model.generate(
+            prompt[None], cache=cache(model), max_new_tokens=new, do_sample=False,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    return out.sequences[0, prompt.numel() :], out.logits
+
+
 def gen(model, ids, c, mask=None, new=12, **kw):
     with torch.no_grad():
         out = model.generate(
@@ -555,12 +566,7 @@ def test_serve_prefills_a_long_prompt_in_chunks_between_the_others_steps(model):
     assert [k for k, r in enumerate(got.emitted) if r[1]][0] == 3  # chunks in rounds 0-3
     assert all(got.emitted[k][0] > 0 for k in range(4))  # request 0 did not wait
     for b, p in enumerate(prompts):
-        with torch.no_grad():
-            alone = model.generate(
-                p[None], cache=cache(model), max_new_tokens=30, do_sample=False,
-                output_logits=True, return_dict_in_generate=True,
-            )  # fmt: skip
-        near_tie(got.tokens[b], alone.sequences[0, p.numel() :], alone.logits)
+        near_tie(got.tokens[b], *greedy_alone(model, p, 30))
     with pytest.raises(ValueError, match="prefill_chunk >= 1"):
         speculative.serve(model, prompts, cache=cache(model, 2), max_new_tokens=3, prefill_chunk=0)
 
@@ -587,12 +593,7 @@ def test_serve_with_an_assistant_model(model, same):
     if same:
         assert out.accepted == [3.0] * out.steps, out.accepted  # every draft accepted
     for b, p in enumerate(prompts):
-        with torch.no_grad():
-            alone = model.generate(
-                p[None], cache=cache(model), max_new_tokens=16, do_sample=False,
-                output_logits=True, return_dict_in_generate=True,
-            )  # fmt: skip
-        tie = near_tie(out.tokens[b], alone.sequences[0, p.numel() :], alone.logits)
+        tie = near_tie(out.tokens[b], *greedy_alone(model, p, 16))
         assert not same or tie == "tokens equal", tie  # whole prompts: exactly greedy
     with pytest.raises(ValueError, match="assistant_cache of 2 slots"):
         speculative.serve(

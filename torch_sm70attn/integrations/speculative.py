@@ -86,11 +86,11 @@ def generate(
     forward = model if forward is None else forward
     B, dev = input_ids.shape[0], input_ids.device
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(dev)
-    logits = _prompt(model, input_ids, mask, cache, max_new_tokens + drafts)
+    logits = _prompt(model, input_ids, cache, max_new_tokens + drafts, mask)
     if assistant is not None:
         if assistant_cache is None:
             raise ValueError("speculative.generate: an assistant needs its own assistant_cache")
-        _prompt(assistant, input_ids, mask, assistant_cache, max_new_tokens + drafts)
+        _prompt(assistant, input_ids, assistant_cache, max_new_tokens + drafts, mask)
         assistant_forward = assistant if assistant_forward is None else assistant_forward
     last = logits[:, -1].argmax(-1).cpu()
     times, emitted = [time.perf_counter()], [[1] * B]
@@ -213,9 +213,11 @@ def serve(
                     break  # running
                 ids = prompts[i].reshape(1, -1)[:, filled[s] : filled[s] + (prefill_chunk or L)]
                 reserve = max_new_tokens + drafts
-                logits = _chunk(model, ids.to(dev), cache.request(s), filled[s], reserve)
+                logits = _prompt(model, ids.to(dev), cache.request(s), reserve, start=filled[s])
                 if assistant is not None:
-                    _chunk(assistant, ids.to(dev), assistant_cache.request(s), filled[s], reserve)
+                    _prompt(
+                        assistant, ids.to(dev), assistant_cache.request(s), reserve, start=filled[s]
+                    )
                 filled[s] += ids.shape[1]
                 length[s] = filled[s]  # (a joining slot's verify rows keep nothing)
                 if filled[s] < L:
@@ -294,29 +296,17 @@ def _verify(forward, cache, ids_d, length, need):
     return g, keep, match
 
 
-def _chunk(model, ids, cache, start: int, reserve: int) -> torch.Tensor:
-    """Tokens start .. start + len of one request's prompt, through its cache (a request(b)
-    view, emptied at start 0, where the reserve is checked too): the last logits [1, 1, V]."""
+def _prompt(model, ids, cache, reserve: int, mask=None, start: int = 0) -> torch.Tensor:
+    """Prompt tokens start .. start + len through `cache` (eager; emptied at start 0, where the
+    reserve is checked too): the last logits [B, 1, V]. mask: left padding (generate's batch),
+    else every token; positions count the real tokens from `start`."""
     if start == 0:
         cache.reset()
-    saved, cache.reserve = cache.reserve, reserve
-    pos = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
-    try:
-        return model(
-            ids, attention_mask=torch.ones_like(ids), position_ids=pos, cache=cache,
-            logits_to_keep=1,
-        ).logits  # fmt: skip
-    finally:
-        cache.reserve = saved
-
-
-def _prompt(model, input_ids, mask, cache, reserve: int) -> torch.Tensor:
-    """The prompt's forward (eager, left padding from mask): its last logits [B, 1, V]."""
-    cache.reset()
+    mask = torch.ones_like(ids) if mask is None else mask
     saved, cache.reserve = cache.reserve, reserve
     try:
         return model(
-            input_ids, attention_mask=mask, position_ids=positions(mask), cache=cache,
+            ids, attention_mask=mask, position_ids=positions(mask) + start, cache=cache,
             logits_to_keep=1,
         ).logits  # fmt: skip
     finally:

@@ -271,8 +271,8 @@ class PagedE4M3Cache(Cache):
         super().__init__(layers=[_Layer(self, ks[i], vs[i]) for i in range(n)])
         self._config = cfg  # for the attention implementation in error messages
         self._table = self._lens = None  # device [B, pages] int32 and [B] int32
-        self._first, self._batch = 0, 0  # request(b) views: b and the batch's size
-        self._root = self  # request(b) views: the cache they view (its counters, its table)
+        self._first = 0  # request(b) views: b
+        self._root = self  # request(b) views: the cache they view (its counters, its batch)
         self._full = self._full_host = None  # device [B] bool: the request went past its pages
         self._step, self._empty = None, True  # the eager forward's slots; no forward since reset
         self._offsets = {}  # Q -> device [B, Q] int64: slot of row r of request b, less its length
@@ -363,7 +363,7 @@ class PagedE4M3Cache(Cache):
 
     def _raise_full(self, full: list[bool]) -> None:
         if any(full):
-            cap, B = self.limit(), self._batch
+            cap, B = self.limit(), self._root._table.shape[0]
             self._clear_full()
             which = [self._first + b for b, f in enumerate(full) if f]
             raise RuntimeError(
@@ -433,8 +433,7 @@ class PagedE4M3Cache(Cache):
         )
         _static(view._table, view._lens, view._full)
         view._max_batch, view._first, view._full_host, view._offsets = 1, self._first + b, None, {}
-        view._pending, view._step, view._empty = None, None, not bool(self._lens[b])
-        view._sat = []
+        view._pending, view._step, view._sat = None, None, []  # (its forwards are all checked)
         return view
 
     def release(self, b: int) -> None:
@@ -507,7 +506,6 @@ class PagedE4M3Cache(Cache):
                 f"PagedE4M3Cache: {self.num_pages} pages for a batch of {B}: raise max_tokens"
             )
         self._table = torch.arange(B * W, dtype=torch.int32, device=device).view(B, W)
-        self._batch = B
         self._lens = torch.zeros(B, dtype=torch.int32, device=device)
         self._full = torch.zeros(B, dtype=torch.bool, device=device)
         self._full_host, self._offsets, self._pending, self._step = None, {}, None, None
@@ -542,7 +540,8 @@ class PagedE4M3Cache(Cache):
     def _over_budget(self, need: int, reserve: int = 0, who: str = "a request") -> RuntimeError:
         """The error for a request of `need` tokens plus `reserve` that its pages (limit())
         cannot hold, with the max_tokens that would (or the kernels' contract)."""
-        cap, B, ps, want = self.limit(), self._batch, self.page_size, need + reserve
+        cap, ps, want = self.limit(), self.page_size, need + reserve
+        B = self._root._table.shape[0]  # (a request(b) view: its batch's)
         fix = (
             f"the kernels serve at most {contract()} tokens a request"
             if want > contract()
