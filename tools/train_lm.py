@@ -99,10 +99,41 @@ def by_bucket(loss: torch.Tensor) -> dict[str, float]:
     return {f"{a}-{b}": float(loss[:, max(a - 1, 0) : b - 1].mean()) for a, b in BUCKETS}
 
 
+def plot(log: Path, png: Path) -> None:
+    """The loss curve of a train_log.json: training loss every 10 steps, held-out every 100."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = json.loads(log.read_text())
+    r = d["recipe"]
+    tr = np.array(d["curve"]["rows"])
+    he = np.array(d["heldout_curve"]["rows"])
+    per = r["batch_tokens"] / 1e6
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(tr[:, 1] / 1e6, tr[:, 2], lw=1, label="training batch")
+    ax.plot(
+        (he[:, 0] + 1) * per, he[:, 1], "o-", ms=3, label="held-out packages (4096-token windows)"
+    )
+    ax.axvline(r["steps"] * per, color="gray", ls=":", lw=1)
+    ax.text(r["steps"] * per, ax.get_ylim()[1] * 0.9, " 32768-token windows", fontsize=8)
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_ylim(1, 10)
+    ax.set_title(f"{r['parameters'] / 1e6:.1f} M parameters, {r['steps'] + r['long_steps']} steps "
+                 f"on {r['device']} in {d['train_seconds']:.0f} s", fontsize=9)  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--plot", type=Path, nargs=2, metavar=("LOG", "PNG"),
+                    help="draw a train_log.json's loss curve and exit")  # fmt: skip
+    ap.add_argument("--data", type=Path)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--minutes", type=float, default=6.0, help="training time (probes set steps)")
     ap.add_argument("--long-frac", type=float, default=0.2, help="share of the time at 32768")
     ap.add_argument("--steps", type=int, default=None, help="4096-token steps (replay)")
@@ -115,6 +146,11 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, nargs=2, default=[SHORT, LONG],
                     help="the two phases' window lengths (smaller ones: a quick CPU check)")  # fmt: skip
     args = ap.parse_args()
+    if args.plot:
+        plot(*args.plot)
+        return 0
+    if args.data is None or args.out is None:
+        ap.error("--data and --out are needed to train")
     short, long = args.lengths
     dev = torch.device(args.device)
     t_start = time.perf_counter()

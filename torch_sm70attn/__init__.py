@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+from pathlib import Path
 
 import torch
 
@@ -29,7 +30,16 @@ __all__ = [
     "CUDA",
     "REFERENCE",
     "UNSUPPORTED",
+    "model_path",
 ]
+
+
+def model_path() -> Path:
+    """The folder of the small model that ships with the package: a Qwen3-architecture causal
+    LM with the seeds' attention geometry (head dim 256, 6 query heads per KV head, 2 KV heads),
+    trained on Python source (tools/train_lm.py; docs/quality.md). transformers loads it
+    offline: AutoModelForCausalLM.from_pretrained(model_path()), and likewise AutoTokenizer."""
+    return Path(__file__).parent / "model"
 
 
 @functools.lru_cache(maxsize=64)
