@@ -49,6 +49,14 @@ def prompts(C: int, ctx: int, suffix: int = 512, seed: int = 0) -> torch.Tensor:
     return torch.cat([prefix.expand(C, -1), tails], 1).cuda()
 
 
+def real_prompts(stream: torch.Tensor, C: int, ctx: int, suffix: int = 512) -> torch.Tensor:
+    """[C, ctx] of real text: the stream's first ctx - suffix tokens shared, and per request a
+    distinct suffix taken from further on in the stream."""
+    starts = torch.linspace(ctx, stream.numel() - suffix - 1, C).long().tolist()
+    tails = torch.stack([stream[s : s + suffix] for s in starts])
+    return torch.cat([stream[: ctx - suffix].expand(C, -1), tails], 1).cuda()
+
+
 def window(out: speculative.Output, new: int) -> tuple[float, float]:
     """(decode tokens/s, mean tokens a request emits per step) between the last request's first
     token (the prompt's end: one wave) and the first request's last token."""
@@ -85,8 +93,8 @@ PATHS = ["sm70attn spec", "sm70attn spec compiled", "sm70attn decode", "fp8 gath
          "stock fp16"]  # fmt: skip
 
 
-def measure(model, C, ctx, new, drafts, runs, gather, compiled, skip) -> dict:
-    ids = prompts(C, ctx)
+def measure(model, C, ctx, new, drafts, runs, gather, compiled, skip, stream=None) -> dict:
+    ids = prompts(C, ctx) if stream is None else real_prompts(stream, C, ctx)
     row = {"C": C, "ctx": ctx, "new": new, "drafts": drafts}
 
     def paged():
@@ -185,6 +193,17 @@ def main() -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=PATHS)
     ap.add_argument("--v100-grid", action="store_true",
                     help="the op planned for 80 SMs of 96 KB (a V100's grids; the GPU stays whole)")  # fmt: skip
+    ap.add_argument(
+        "--shipped",
+        action="store_true",
+        help="the shipped trained model (torch_sm70attn.model_path()) and real prompts",
+    )
+    ap.add_argument(
+        "--data",
+        default=None,
+        help="with --shipped: tools/lm_corpus.py's folder (prompts from heldout.u16); "
+        "default: this package's own source",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--report", default=None, help="print the table of a --json file")
     ap.add_argument("--plot", nargs="+", default=None,
@@ -199,7 +218,22 @@ def main() -> int:
     mod = sa.ops.load_cuda_kernels()
     if args.v100_grid:
         mod.set_plan_override(80, 98304)
-    model = demo.build(torch.device("cuda"), args.layers)
+    stream = None
+    if args.shipped:
+        from pathlib import Path
+
+        from torch_sm70attn.integrations import shipped
+
+        model, tok = shipped.load("cuda")
+        stream = (
+            shipped.token_file(Path(args.data) / "heldout.u16")
+            if args.data
+            else shipped.own_source(tok)
+        )
+        what = f"the shipped model (trained), real prompts ({'held-out split' if args.data else 'own source'})"
+    else:
+        model = demo.build(torch.device("cuda"), args.layers)
+        what = "random weights, repeated random prompts"
     from bench_model import register_gather
 
     gather = register_gather()
@@ -209,7 +243,7 @@ def main() -> int:
     p, cfg = torch.cuda.get_device_properties(0), model.config
     head = (
         f"{p.name} ({p.multi_processor_count} SMs{', op planned for 80 SMs' if args.v100_grid else ''}), "
-        f"torch {torch.__version__}; Qwen3 architecture, {args.layers} layers, "
+        f"torch {torch.__version__}; Qwen3 architecture, {what}, {cfg.num_hidden_layers} layers, "
         f"{cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads, head dim "
         f"{cfg.head_dim}; prompts {args.ctx}, {args.new} new tokens, {args.drafts} drafts; "
         f"decode tokens/s, median of {args.runs} warm runs"
@@ -218,7 +252,7 @@ def main() -> int:
     rows = []
     for C in args.concurrency:
         rows.append(measure(model, C, args.ctx, args.new, args.drafts, args.runs, gather,
-                            compiled, args.skip))  # fmt: skip
+                            compiled, args.skip, stream))  # fmt: skip
     print("\n" + table(rows))
     if args.json:
         with open(args.json, "w") as f:
