@@ -4,6 +4,8 @@ SDPA path over the same quantized values, prompt-lookup speculative decoding (ve
 up to 5 rows, rollback by crop) emits exactly the greedy tokens, and the routes, scales and
 errors hold."""
 
+import re
+
 import pytest
 import torch
 
@@ -199,18 +201,36 @@ def test_float32_model_is_refused_with_the_fix():
             m(torch.randint(0, 64, (1, 4)), cache=hf.PagedE4M3Cache(m.config, max_tokens=64))
 
 
-def test_cli_demo_runs_the_model():
+def test_cli_demo_prints_the_shipped_models_completion():
+    """The demo on a CPU: the shipped model continues this package's own code, and the printed
+    completion is the text of the tokens it generated (decoded again here from the stock path,
+    which the demo prints or says equals ours)."""
     from test_ops import _cli
 
-    r = _cli("demo", "--device", "cpu", "--context", "64", "--new-tokens", "8", "--batch", "2")
+    r = _cli("demo", "--device", "cpu", "--context", "512", "--new-tokens", "12", "--batch", "2",
+             "--runs", "1")  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "route of a decode step: reference" in out
-    assert "(medians of 3 warm runs; decode after the prompt)" in out, out
+    assert "(medians of 1 warm runs; decode after the prompt)" in out, out
     for line in ("stock sdpa, fp16 cache", "sm70attn, decode", "sm70attn, prompt lookup 4"):
         assert line in out, out
-    assert "largest logit deviation from the stock path" in out
+    assert "timings on a CPU say nothing about a GPU" in out
+    agreed = re.search(
+        r"before the first difference: (\d+) of 12, (\d+) of 12 \(per request\)", out
+    )
+    assert agreed, out
     assert "prompt lookup 4 emitted the greedy tokens in this run: " in out, out
+    ours = out.split("--- torch_sm70attn (paged E4M3 cache) continues ---\n")[1]
+    ours, _, stock = ours.partition("\n--- stock float16 continues")
+    stock = ours if stock.startswith(": the same text") else stock.split("---\n", 1)[1].rstrip("\n")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(sa.model_path())
+    ids = tok(stock, add_special_tokens=False)["input_ids"]
+    assert 6 <= len(ids) <= 14 and tok.decode(ids) == stock, (stock, ids)
+    if int(agreed[1]) == 12:
+        assert ours == stock
 
 
 def test_cache_pages_slots_and_stored_values():

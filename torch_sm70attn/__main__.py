@@ -274,15 +274,16 @@ def main(argv=None) -> int:
     b.add_argument("--jobs", type=_at_least(1), help="parallel compiles (default: the cores)")
     d = sub.add_parser(
         "demo",
-        help="a Qwen3-architecture model generating through the paged E4M3 cache (prefill, "
-        "decode, speculative verify) against transformers' stock path (needs the hf extra)",
+        help="the shipped model (trained on Python) continuing this package's code through the "
+        "paged E4M3 cache (prefill, decode, speculative verify) against transformers' stock "
+        "float16 path, the text printed (needs the hf extra)",
     )
     d.add_argument("--device", type=_demo_device, help="cpu or cuda (default: cuda if present)")
-    d.add_argument("--context", type=_at_least(1), help="prompt tokens (CPU 200, GPU 32768)")
+    d.add_argument("--context", type=_at_least(1), help="prompt tokens (CPU 1024, GPU 32768)")
     d.add_argument("--batch", type=_at_least(1), default=1, help="concurrent requests")
-    d.add_argument("--layers", type=_at_least(1), help="decoder layers (CPU 2, GPU 4)")
+    d.add_argument("--model", help="a transformers model folder (default: the shipped model)")
     d.add_argument("--draft", type=_at_least(1), default=4, help="prompt-lookup draft tokens")
-    d.add_argument("--new-tokens", type=_at_least(3), help="tokens to generate (CPU 24, GPU 64)")
+    d.add_argument("--new-tokens", type=_at_least(3), help="tokens to generate (CPU 32, GPU 64)")
     d.add_argument("--runs", type=_at_least(1), default=3, help="timed runs of each path")
     c = sub.add_parser("check", help="one paged decode + verify step, checked against SDPA")
     c.add_argument("--device", type=_demo_device, help="cpu or cuda (default: cuda if present)")
@@ -310,12 +311,12 @@ def demo(args) -> int:
     gpu = dev.type == "cuda"
     return model_demo.run(
         dev,
-        context=args.context or (32768 if gpu else 200),
+        context=args.context or (32768 if gpu else 1024),
         batch=args.batch,
-        layers=args.layers or (4 if gpu else 2),
         draft=args.draft,
-        new=args.new_tokens or (64 if gpu else 24),
+        new=args.new_tokens or (64 if gpu else 32),
         runs=args.runs,
+        model=args.model,
     )
 
 
