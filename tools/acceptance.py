@@ -9,10 +9,13 @@ that end there (the files before it in its package, then the file's first part).
 requests, --new greedy tokens each. Paths, all eager, one PagedE4M3Cache with calibrated scales:
 plain decode (transformers' generate), speculative.generate (the requests as one batch, verify
 steps of drafts + 1 rows a request) and speculative.serve (the requests through --slots slots,
-each joining as one frees; by default one a request) with 3, 5 and 7 drafts. Decode tokens/s count the tokens after the
-prompts' forward (generate) or all tokens over the whole call, prompts included (serve, whose
-prompts run between verify steps); each the median of --runs runs after one warm-up run.
-"""
+each joining as one frees; by default one a request) with 3, 5 and 7 drafts. Decode tokens/s
+count the tokens after the prompts' forward (generate) or after the first round (serve: the
+prompts that fill its slots and one verify step); each the median of --runs runs after one
+warm-up run. A model this small loops under greedy decoding: the plain decode row gives the
+share of its tokens that repeat an earlier 8-gram, and each path its acceptance over each
+request's first 64 tokens, before most loops set in. The shipped model was trained at 32768
+positions: a --ctx of 32768 generates past them (--new tokens)."""
 
 from __future__ import annotations
 
@@ -43,15 +46,21 @@ def repeated_share(prompt: torch.Tensor, new: torch.Tensor, n: int = 8) -> float
 
 
 def early_acceptance(emitted: list[list[int]], first: int = 64) -> float:
-    """Drafts accepted a step over each request's steps until it has emitted `first` tokens
-    (a step that emits e tokens accepted e - 1 drafts; the first entry is the prompt's)."""
+    """Drafts a request accepted a verify step, over its steps until it had emitted `first`
+    tokens, averaged over (request, step). A request's first token is its prompt's; a verify
+    step that emits e tokens accepted e - 1 drafts. serve lists its prompt's token in the round
+    of its first verify step, so a round's count is taken apart the same way. (Whole-run
+    acceptance, Output.accepted, averages each step's mean over its running requests.)"""
     acc, steps = 0, 0
-    count = list(emitted[0])
-    for step in emitted[1:]:
+    count = [0] * len(emitted[0])
+    for step in emitted:
         for b, e in enumerate(step):
-            if e and count[b] < first:
-                acc, steps = acc + e - 1, steps + 1
-            count[b] += e
+            if e and count[b] == 0:  # the prompt's token
+                count[b], e = 1, e - 1
+            if e:
+                if count[b] < first:
+                    acc, steps = acc + e - 1, steps + 1
+                count[b] += e
     return acc / max(steps, 1)
 
 
@@ -66,7 +75,7 @@ def measure(model, ids, args) -> dict:
     (B, ctx), new, top = ids.shape, args.new, max(args.drafts)
     cache = hf.PagedE4M3Cache(model.config, max_tokens=B * (ctx + new + top + 32), max_batch_size=B)
     cache.calibrate(model, ids[:1, :4096])
-    scales = ([l.k_scale.clone() for l in cache.layers], [l.v_scale.clone() for l in cache.layers])
+    scales = cache.scales()
     slots = hf.PagedE4M3Cache(
         model.config, max_tokens=args.slots * (ctx + new + top + 32),
         max_batch_size=args.slots, k_scale=scales[0], v_scale=scales[1],
@@ -74,7 +83,7 @@ def measure(model, ids, args) -> dict:
 
     def plain():
         cache.reset()
-        seqs, _, (_, after) = demo._generate(model, ids, cache, new)
+        seqs, _, (_, after) = demo.timed_generate(model, ids, cache, new)
         return seqs.cpu(), B * (new - 1) / after
 
     base = timed(plain, args.runs)
@@ -136,7 +145,7 @@ def main() -> int:
     if dev.type == "cuda":
         sa.ops.load_cuda_kernels()
     model, tok = shipped.load(dev, args.model)
-    eot = tok.convert_tokens_to_ids(shipped.EOT)
+    eot = shipped.eot_id(tok)
     if args.data:
         stream, src = shipped.token_file(args.data / "heldout.u16"), "held-out split"
     else:

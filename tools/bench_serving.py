@@ -2,8 +2,11 @@
 each a 32K-token prompt (a shared prefix and a distinct suffix, as the seeds' fixture),
 admitted as one wave, 256 new tokens each, greedy. Decode tokens/s are counted between the
 last request's first token and the first request's last token (all requests' tokens in that
-window over its length). Paths (a Qwen3-architecture model with random weights, transformers'
-own classes, `demo.build`):
+window over its length). The model: a Qwen3 architecture with random weights (transformers' own
+classes, `demo.build`) and random prompts, or with --shipped the shipped trained model
+(`torch_sm70attn.model_path()`) and real text (--data: tools/lm_corpus.py's held-out split;
+default this package's own source: a shared prefix and a distinct 512-token suffix a request).
+The shipped model was trained at 32768 positions: --ctx 32768 generates past them. Paths:
 
   sm70attn spec            PagedE4M3Cache + speculative.generate: prompt lookup, 7 drafts
                            (verify steps of 8 rows a request), per-request acceptance; eager
@@ -24,6 +27,7 @@ far more than a trained model's does on real text: it says the verify path runs 
 acceptance, not what a real model would accept. Usage (GPU):
 
     python tools/bench_serving.py --json serving.json
+    python tools/bench_serving.py --shipped --data DATA --json serving_trained.json
     python tools/bench_serving.py --report serving.json        # the table, no GPU
 """
 
@@ -85,7 +89,7 @@ def generate_run(model, ids, cache, new):
     after the prompt's forward, 1, 0)."""
     from transformers import CompileConfig
 
-    _, _, (_, after) = demo._generate(model, ids, cache, new, compile_config=CompileConfig())
+    _, _, (_, after) = demo.timed_generate(model, ids, cache, new, compile_config=CompileConfig())
     return ids.shape[0] * (new - 1) / after, 1.0, 0.0
 
 
@@ -215,6 +219,8 @@ def main() -> int:
         if args.plot:
             plot(args.plot[0], [args.report, *args.plot[1:]])
         return 0
+    if args.data and not args.shipped:
+        ap.error("--data gives the shipped model's prompts: add --shipped")
     mod = sa.ops.load_cuda_kernels()
     if args.v100_grid:
         mod.set_plan_override(80, 98304)

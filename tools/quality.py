@@ -117,7 +117,7 @@ def paged_logits(model, ids, cache, prompt):
     cache.reset()
     out, T, s = [], ids.numel(), 0
     while s < T:
-        n = prompt if s == 0 else min(ROWS, T - s)
+        n = min(prompt if s == 0 else ROWS, T - s)
         pos = torch.arange(s, s + n, device=ids.device)[None]
         out.append(model(ids[None, s : s + n], position_ids=pos, cache=cache).logits[0])
         s += n
@@ -131,10 +131,10 @@ def scales(model, sample, tmp: Path):
     model.set_attn_implementation(hf.NAME)
     cache = hf.PagedE4M3Cache(model.config, max_tokens=sample.numel() + 64)
     cache.calibrate(model, sample[None])
-    a = ([l.k_scale.clone() for l in cache.layers], [l.v_scale.clone() for l in cache.layers])
+    a = cache.scales()
     b = tuple([s.max().reshape(1) for s in ss] for ss in a)
     cache.calibrate(model, sample[None], headroom=1.0)
-    amax = [[float(getattr(l, f"{w}_scale").max()) for l in cache.layers] for w in "kv"]
+    amax = [[float(x.max()) for x in xs] for xs in cache.scales()]
     src = Path(model.name_or_path)
     tensors = load_file(src / "model.safetensors")
     for i in range(len(cache.layers)):
@@ -156,7 +156,10 @@ def perplexity(model, stream, args, dev, out):
     with tempfile.TemporaryDirectory() as tmp:
         sc = scales(model, sample, Path(tmp))
     per = {"a": sc["a"], "b": sc["b"], "d": sc["d"]}
-    out["scales"] = {k: [[float(x) for x in s] for s in v[0]] for k, v in per.items()}
+    out["scales"] = {
+        k: {w: [[float(x) for x in s] for s in v[i]] for i, w in enumerate("kv")}
+        for k, v in per.items()
+    }
     rows = {
         name: Tally()
         for name in ("float16", "e4m3 (a)", "e4m3 (b)", "e4m3 (c)", "e4m3 (d)", "emul e4m3 (a)",
@@ -185,7 +188,9 @@ def perplexity(model, stream, args, dev, out):
 
 def long_context(model, stream, args, dev, out, per):
     T, tail = 32768, 2048
-    buckets = [(0, 4096), (4096, 16384), (16384, T - tail), (T - tail, T)]
+    # the last band: the tokens predicted by 16-row forwards (position T - tail is predicted
+    # by the prompt forward's last row)
+    buckets = [(0, 4096), (4096, 16384), (16384, T - tail + 1), (T - tail + 1, T)]
     rows = {n: Tally() for n in ("float16", "e4m3 (a)", "e4m3 (c)")}
     cfg = model.config
     for i, w in enumerate(windows(stream, args.long, T, args.sample)):
@@ -202,7 +207,7 @@ def long_context(model, stream, args, dev, out, per):
 @torch.no_grad()
 def greedy(model, tok, stream, args, dev, out, per):
     """Tokens until the first difference from float16, per prompt (a file's first 256 tokens)."""
-    eot = tok.convert_tokens_to_ids(shipped.EOT)
+    eot = shipped.eot_id(tok)
     L, G = 256, args.new
     starts = [s for s in shipped.file_starts(stream, eot) if s + L <= stream.numel()]
     starts = [s for s in starts if s >= args.sample and (stream[s : s + L] != eot).all()]

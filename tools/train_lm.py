@@ -4,17 +4,19 @@ KV head, 2 KV heads), on the Python source of tools/lm_corpus.py.
 
     python tools/lm_corpus.py DATA                     # the text, the tokenizer, the token ids
     python tools/train_lm.py --data DATA --out DIR     # a GPU: bf16 autocast, AdamW
-    python tools/train_lm.py --data DATA --out DIR --steps 900 --long-steps 60   # replay
+    python tools/train_lm.py --data DATA --out DIR --steps 723 --long-steps 57   # the shipped run
 
 Two phases on one cosine schedule: windows of 4096 tokens, then windows of 32768 (the contexts
 the project serves; a model trained at 4K alone is lost past it: RoPE's slow dimensions see
 angles they never saw). By default the steps of each phase are set from the measured time of a
 few probe steps so that the whole run fits --minutes; the chosen counts are printed and
-written to the log, and --steps / --long-steps replay them. DIR gets the model in float16
-(config.json, model.safetensors, generation_config.json) and train_log.json: the recipe, the
-loss curve (training loss every 10 steps, held-out loss every 100), the held-out loss at the
-end in bf16 and in float16 (4096-token windows, and by position over 32768-token windows). The
-tokenizer is copied in by tools/lm_corpus.py's output (tokenizer.json) via --tokenizer-dir.
+written to the log, and --steps / --long-steps replay them (the same batches: a replay draws
+the probes' batches too, without running them; the GPU's arithmetic is not bitwise the same
+run to run). DIR gets the model in float16 (config.json, model.safetensors,
+generation_config.json), the tokenizer (DATA's tokenizer.json, with tokenizer_config.json), and
+train_log.json: the recipe, the loss curve (training loss every 10 steps, held-out loss every
+100), the held-out loss at the end in bf16 and in float16 (4096-token windows, and by position
+over 32768-token windows).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-EOT_ID = 0  # lm_corpus.EOT is the tokenizer's first special token
+EOT, EOT_ID = "<|endoftext|>", 0  # lm_corpus.EOT, the tokenizer's first special token
 CONFIG = dict(
     vocab_size=8192,
     hidden_size=256,
@@ -48,7 +50,6 @@ CONFIG = dict(
     pad_token_id=EOT_ID,
 )
 SHORT, LONG = 4096, 32768
-BUCKETS = [(0, 4096), (4096, 16384), (16384, 32768)]
 
 
 def tokens(path: Path) -> np.ndarray:
@@ -94,9 +95,13 @@ def evaluate(model, wins: torch.Tensor, batch: int, autocast: bool) -> torch.Ten
     return torch.cat(out)
 
 
-def by_bucket(loss: torch.Tensor) -> dict[str, float]:
+def by_bucket(loss: torch.Tensor, short: int) -> dict[str, float]:
+    """Mean loss by position over windows [n, T - 1]: 0 to short, to T / 2, to T (0-4096,
+    4096-16384, 16384-32768 for the shipped run)."""
+    T = loss.shape[1] + 1
     # position p predicts token p + 1: loss[:, p] is the loss of position p + 1
-    return {f"{a}-{b}": float(loss[:, max(a - 1, 0) : b - 1].mean()) for a, b in BUCKETS}
+    cuts = [(0, short), (short, T // 2), (T // 2, T)]
+    return {f"{a}-{b}": float(loss[:, max(a - 1, 0) : b - 1].mean()) for a, b in cuts}
 
 
 def plot(log: Path, png: Path) -> None:
@@ -113,11 +118,11 @@ def plot(log: Path, png: Path) -> None:
     per = r["batch_tokens"] / 1e6
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(tr[:, 1] / 1e6, tr[:, 2], lw=1, label="training batch")
-    ax.plot(
-        (he[:, 0] + 1) * per, he[:, 1], "o-", ms=3, label="held-out packages (4096-token windows)"
-    )
+    short, long = r["windows"]  # the phases' window lengths (as strings)
+    label = f"held-out packages ({short}-token windows)"
+    ax.plot((he[:, 0] + 1) * per, he[:, 1], "o-", ms=3, label=label)
     ax.axvline(r["steps"] * per, color="gray", ls=":", lw=1)
-    ax.text(r["steps"] * per, ax.get_ylim()[1] * 0.9, " 32768-token windows", fontsize=8)
+    ax.text(r["steps"] * per, ax.get_ylim()[1] * 0.9, f" {long}-token windows", fontsize=8)
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("loss (nats / token)")
     ax.set_ylim(1, 10)
@@ -159,7 +164,7 @@ def main() -> int:
     print(f"tokens: train {train.numel() / 1e6:.2f} M, held-out {held.numel() / 1e6:.2f} M", flush=True)  # fmt: skip
     torch.backends.cuda.matmul.allow_tf32 = True
     model, cfg = build(dev)
-    model.config._attn_implementation = "sdpa"
+    model.set_attn_implementation("sdpa")
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f} M parameters", flush=True)
     short_b, long_b = args.batch_tokens // short, max(args.batch_tokens // long, 1)
@@ -181,16 +186,23 @@ def main() -> int:
 
     steps, long_steps = args.steps, args.long_steps
     probe = {}
-    if steps is None or long_steps is None:  # probe steps (gradients thrown away)
-        for T, B, n in ((short, short_b, 4), (long, long_b, 2)):
+    replay = steps is not None and long_steps is not None
+    # Probe steps (gradients thrown away) set the step counts; a replay draws the same batches
+    # without running them, so that its training batches are the probed run's.
+    for T, B, n in ((short, short_b, 4), (long, long_b, 2)):
+        if replay:
+            for _ in range(n + 1):
+                batch(T, B)
+            continue
+        fwd_bwd(batch(T, B))
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
             fwd_bwd(batch(T, B))
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fwd_bwd(batch(T, B))
-            sync()
-            probe[T] = (time.perf_counter() - t0) / n * 1.03  # + the optimizer step
-            model.zero_grad(set_to_none=True)
+        sync()
+        probe[T] = (time.perf_counter() - t0) / n * 1.03  # + the optimizer step
+        model.zero_grad(set_to_none=True)
+    if not replay:
         budget = args.minutes * 60
         steps = max(int(budget * (1 - args.long_frac) / probe[short]), 1)
         long_steps = int(budget * args.long_frac / probe[long])
@@ -243,16 +255,22 @@ def main() -> int:
     for name, half in (("bf16", False), ("float16", True)):
         if half:
             model.half()
-        final[name] = {"4096": float(evaluate(model, held_short, 8, not half).mean())}
+        final[name] = {str(short): float(evaluate(model, held_short, 8, not half).mean())}
         if held_long is not None:
-            final[name]["32768"] = by_bucket(evaluate(model, held_long, 1, not half))
+            final[name][str(long)] = by_bucket(evaluate(model, held_long, 1, not half), short)
         print(f"held-out loss ({name}): {json.dumps(final[name])}", flush=True)
-    if not all(math.isfinite(v) for v in [final["float16"]["4096"]]):
+    if not math.isfinite(final["float16"][str(short)]):
         raise RuntimeError("the float16 model's held-out loss is not finite")
     args.out.mkdir(parents=True, exist_ok=True)
     model.generation_config.eos_token_id = EOT_ID
     model.generation_config.pad_token_id = EOT_ID
     model.save_pretrained(args.out, max_shard_size="1GB")
+    if (args.data / "tokenizer.json").exists():  # lm_corpus.py's: the folder loads whole
+        from transformers import PreTrainedTokenizerFast
+
+        PreTrainedTokenizerFast(
+            tokenizer_file=str(args.data / "tokenizer.json"), eos_token=EOT, pad_token=EOT
+        ).save_pretrained(args.out)
     log = {
         "recipe": {
             "config": {k: v for k, v in CONFIG.items()},
@@ -274,7 +292,7 @@ def main() -> int:
         "train_seconds": train_s,
         "total_seconds": time.perf_counter() - t_start,
         "curve": {"columns": ["step", "tokens", "train_loss", "lr"], "rows": curve},
-        "heldout_curve": {"columns": ["step", "heldout_loss_4096"], "rows": held_curve},
+        "heldout_curve": {"columns": ["step", f"heldout_loss_{short}"], "rows": held_curve},
         "final": final,
     }
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")

@@ -57,7 +57,7 @@ def _now(device) -> float:
     return time.perf_counter()
 
 
-def _generate(model, ids, cache, new_tokens, compile_config=None, logits=False):
+def timed_generate(model, ids, cache, new_tokens, compile_config=None, logits=False):
     """Greedy generate; returns (sequences, per-step logits or None, (prompt s, after-prompt
     s)): the first forward (the prompt) is timed apart, by a hook that synchronizes."""
     marks = []
@@ -126,7 +126,7 @@ def run(
         _say(f"  ready in {time.perf_counter() - t0:.1f} s")
     model, tok = shipped.load(device, model)
     cfg = model.config
-    eot = tok.convert_tokens_to_ids(shipped.EOT)
+    eot = shipped.eot_id(tok)
     ids = shipped.continuations(shipped.own_source(tok), eot, context, batch).to(device)
     _say(
         f"device {device}; {'the shipped model' if model.name_or_path == str(sa.model_path()) else model.name_or_path} "
@@ -160,14 +160,17 @@ def run(
     model.set_attn_implementation("sdpa")
     _say(f"stock transformers (sdpa attention, float16 DynamicCache), {runs} runs ...")
     rows.append(
-        ("stock sdpa, fp16 cache", *_median_runs(lambda: _generate(model, ids, None, new), runs))
+        (
+            "stock sdpa, fp16 cache",
+            *_median_runs(lambda: timed_generate(model, ids, None, new), runs),
+        )
     )
-    ref, ref_logits, _ = _generate(model, ids, None, new, logits=True)
+    ref, ref_logits, _ = timed_generate(model, ids, None, new, logits=True)
     model.set_attn_implementation(NAME)
     _say(f"torch_sm70attn (paged E4M3 cache), {runs} runs ...")
-    rows.append(("sm70attn, decode", *_median_runs(ours(_generate, new), runs)))
+    rows.append(("sm70attn, decode", *_median_runs(ours(timed_generate, new), runs)))
     cache.reset()
-    greedy, logits, _ = _generate(model, ids, cache, new, logits=True)
+    greedy, logits, _ = timed_generate(model, ids, cache, new, logits=True)
     rows.append(
         (f"sm70attn, prompt lookup {draft}", *_median_runs(ours(_lookup, new, draft), runs))
     )
@@ -175,7 +178,7 @@ def run(
         _say("torch_sm70attn compiled (fullgraph, the backend's CUDA graphs): compiling ...")
         config = compile_config(mode=None, options={"inner": "cudagraphs"})  # a V100's path
         rows.append(
-            ("sm70attn, decode, compiled", *_median_runs(ours(_generate, new, config), runs))
+            ("sm70attn, decode, compiled", *_median_runs(ours(timed_generate, new, config), runs))
         )
         fwd = torch.compile(
             model, backend=NAME, fullgraph=True, dynamic=False, options={"inner": "cudagraphs"}

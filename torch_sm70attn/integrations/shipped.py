@@ -41,21 +41,39 @@ def load(device, path=None, dtype=torch.float16):
     return model.to(device).eval(), tok
 
 
-def documents(root: Path, package: str) -> list[str]:
-    """The .py files under root in path order, as the corpus lays them out."""
-    return [
-        f"# {package}/{p.relative_to(root.parent).as_posix()}\n{p.read_text(encoding='utf-8')}"
-        for p in sorted(root.rglob("*.py"))
-    ]
+def documents(root: Path, package: str, skip: tuple[str, ...] = ()) -> list[str]:
+    """The .py files under root in path order, as the corpus lays them out; files under the
+    subfolders `skip`, and files holding the end-of-text token's text, are left out (as
+    tools/lm_corpus.py leaves the latter out)."""
+    docs = []
+    for p in sorted(root.rglob("*.py")):
+        if p.relative_to(root).parts[0] in skip:
+            continue
+        text = p.read_text(encoding="utf-8")
+        if EOT not in text:
+            docs.append(f"# {package}/{p.relative_to(root.parent).as_posix()}\n{text}")
+    return docs
+
+
+def eot_id(tok) -> int:
+    """The id that ends a document: the shipped tokenizer's end-of-text token, another
+    tokenizer's eos token."""
+    if EOT in tok.get_vocab():
+        return tok.convert_tokens_to_ids(EOT)
+    if tok.eos_token_id is None:
+        raise ValueError("the tokenizer has neither <|endoftext|> nor an eos token")
+    return tok.eos_token_id
 
 
 def own_source(tok) -> torch.Tensor:
     """This package's own .py files as one stream of token ids (1-D int64): Python code written
-    after the model's training text was fixed, so held out from it by construction."""
+    after the model's training text was fixed, so held out from it by construction. fx_passes/
+    is left out (in a wheel it installs inside the package, in a checkout beside it), so a
+    wheel and a checkout give the same stream."""
     root = Path(sa.__file__).parent
-    eot = tok.convert_tokens_to_ids(EOT)
+    eot = eot_id(tok)
     ids = []
-    for doc in documents(root, "torch_sm70attn"):
+    for doc in documents(root, "torch_sm70attn", skip=("fx_passes",)):
         ids += tok(doc, add_special_tokens=False)["input_ids"] + [eot]
     return torch.tensor(ids, dtype=torch.long)
 
