@@ -664,11 +664,29 @@ def _warn_refusal(node: fx.Node, why: str, fix: str | None) -> None:
     )
 
 
+# The transformers attention's prefill route (more query rows than the kernels take): SDPA over
+# the dequantized pages by design, not a candidate (a refusal there would be noise).
+OWN_PREFILL = ("torch_sm70attn/integrations/transformers.py", "_prefill")
+
+
+def _own_prefill(node: fx.Node) -> bool:
+    frames = re.findall(r'File "([^"]+)", line \d+, in (\S+)', node.meta.get("stack_trace") or "")
+    return (
+        bool(frames)
+        and frames[-1][0].replace("\\", "/").endswith(OWN_PREFILL[0])
+        and (frames[-1][1] == OWN_PREFILL[1])
+    )
+
+
 def rewrite_graph(graph: fx.Graph) -> int:
     """Rewrite every provable SDPA-over-paged-cache in `graph`; returns how many."""
     done = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in SDPA:
+            continue
+        if _own_prefill(node):
+            counters["sm70attn"]["sdpa_own_prefill"] += 1
+            log.debug("sm70attn: SDPA %s is the attention's prefill route, kept", node.name)
             continue
         try:
             rewrite_sdpa(graph, node)

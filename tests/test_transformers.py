@@ -202,10 +202,12 @@ def test_float32_model_is_refused_with_the_fix():
 
 
 def test_cli_demo_prints_the_shipped_models_completion():
-    """The demo on a CPU: the shipped model continues this package's own code, and the printed
-    completion is the text of the tokens it generated (decoded again here from the stock path,
-    which the demo prints or says equals ours)."""
+    """The demo on a CPU: the shipped model continues this package's own code, and the text it
+    prints for stock float16 is the decode of stock greedy generation on the same prompts
+    (generated here again), and its own is that text when all tokens agree."""
     from test_ops import _cli
+
+    from torch_sm70attn.integrations import demo, shipped
 
     r = _cli("demo", "--device", "cpu", "--context", "512", "--new-tokens", "12", "--batch", "2",
              "--runs", "1")  # fmt: skip
@@ -223,14 +225,12 @@ def test_cli_demo_prints_the_shipped_models_completion():
     assert "prompt lookup 4 emitted the greedy tokens in this run: " in out, out
     ours = out.split("--- torch_sm70attn (paged E4M3 cache) continues ---\n")[1]
     ours, _, stock = ours.partition("\n--- stock float16 continues")
-    stock = ours if stock.startswith(": the same text") else stock.split("---\n", 1)[1].rstrip("\n")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(sa.model_path())
-    ids = tok(stock, add_special_tokens=False)["input_ids"]
-    assert 6 <= len(ids) <= 14 and tok.decode(ids) == stock, (stock, ids)
-    if int(agreed[1]) == 12:
-        assert ours == stock
+    stock = ours if stock.startswith(": the same text") else stock.split("---\n", 1)[1]
+    model, tok = shipped.load("cpu")
+    ids = shipped.continuations(shipped.own_source(tok), shipped.eot_id(tok), 512, 2)
+    want, _, _ = demo.timed_generate(model, ids, None, 12)
+    assert stock.rstrip("\n") == tok.decode(want[0]).rstrip("\n"), (stock, tok.decode(want[0]))
+    assert (ours == stock) == (int(agreed[1]) == 12)
 
 
 def test_cache_pages_slots_and_stored_values():
@@ -320,6 +320,44 @@ def test_compiled_decode_and_verify_steps_have_no_graph_break(model):
         assert torch.equal(g, w)
     ops = ["sm70attn.paged_attention.default"] * 2 + ["sm70attn.store_kv.default"] * 2
     assert graphs == [ops, ops], graphs  # Q 1 and Q 4
+
+
+def test_whole_model_compiled_prompt_traces_whole_and_keeps_its_prefill_quietly(model, caplog):
+    """torch.compile(model, backend="sm70attn") over the whole model, the prompt compiled too
+    (fullgraph: a graph break is an error). Given scales are checked when the cache is made, so
+    the first forward reads no scale data (it broke the graph in `_as_scale`); the prompt's SDPA
+    over the dequantized pages is the attention's own prefill route, which the pass keeps
+    without a refusal warning (it warned "query is torch.float32, not float16" on a CPU). The
+    prompt's and the decode steps' logits equal eager's."""
+    import logging
+
+    from torch._dynamo.utils import counters
+
+    backend, graphs = counting_backend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+
+    def run(fwd):
+        vs = [torch.tensor(0.04), torch.tensor([0.06, 0.05])]  # a checkpoint's are tensors
+        cache = hf.PagedE4M3Cache(model.config, max_tokens=256, k_scale=0.05, v_scale=vs)
+        with torch.no_grad():
+            out = [fwd(prompt(), cache=cache).logits]
+            for _ in range(2):
+                out.append(fwd(out[-1][:, -1:].argmax(-1), cache=cache).logits)
+        return out
+
+    want = run(model)
+    counters["sm70attn"].clear()
+    with caplog.at_level(logging.WARNING, logger="torch_sm70attn"):
+        got = run(compiled)
+    assert not [r for r in caplog.records if "slow gather path" in r.getMessage()], caplog.text
+    assert counters["sm70attn"]["sdpa_own_prefill"] == 2  # the prompt graph's two layers
+    assert counters["sm70attn"]["sdpa_refused"] == 0
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=2e-3)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    assert len(graphs) == 2  # the prompt, one decode step
+    with pytest.raises(ValueError, match="k_scale must be finite and > 0"):
+        hf.PagedE4M3Cache(model.config, k_scale=[0.05, -1.0])
 
 
 def test_generate_compiled_equals_eager(model):

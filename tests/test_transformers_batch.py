@@ -3,6 +3,7 @@ batches (each request equals itself alone), scales that do not depend on the bat
 request crop and the batched speculative loop, and the holes a new user found (beam search,
 a shared config, a missing cache, the token budget)."""
 
+import copy
 import warnings
 
 import pytest
@@ -189,15 +190,20 @@ def test_prompt_lookup_drafts():
 def test_calibrated_scales_do_not_depend_on_the_batch(model):
     short, wide = requests((12, 30), seed=4)
     c = hf.PagedE4M3Cache(model.config, max_tokens=2 * CAP, max_batch_size=2)
+    assert c.scales() == ([None, None], [None, None])  # calibrated at the first forward
     c.calibrate(model, torch.cat([short, wide[:12]])[None])  # a sample
-    scales = [(x.k_scale.clone(), x.v_scale.clone()) for x in c.layers]
+    ks, vs = c.scales()  # the public reading: float32 [H_kv] per layer, copies
+    assert [k.shape for k in ks] == [(2,), (2,)] and ks[0].dtype == torch.float32
+    assert all(bool((k > 0).all()) for k in ks + vs)
     ids, mask = left_padded([short, wide])
     both = gen(model, ids, c, mask)
     c.reset()  # reset keeps the scales
-    assert all(torch.equal(x.k_scale, k) for x, (k, _) in zip(c.layers, scales, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(c.scales()[0], ks, strict=True))
     one = hf.PagedE4M3Cache(model.config, max_tokens=CAP)
     one.calibrate(model, torch.cat([short, wide[:12]])[None])
     assert torch.equal(gen(model, short[None], one)[0], both[0])
+    given = hf.PagedE4M3Cache(model.config, max_tokens=CAP, k_scale=ks, v_scale=vs)
+    assert torch.equal(gen(model, short[None], given)[0], both[0])  # the same stored values
 
 
 def test_scales_per_layer_and_from_a_checkpoint(model, tmp_path):
@@ -257,6 +263,67 @@ def test_a_model_not_on_the_sm70attn_attention_is_detected():
     with pytest.raises(RuntimeError, match="attn_implementation is 'sdpa'.*copy.deepcopy"):
         with torch.no_grad():
             ours(torch.randint(0, 64, (1, 5)), cache=c)
+
+
+def test_a_cache_built_from_another_models_config_names_that(model):
+    """The cache's config says sm70attn, the model running it another attention: the error said
+    "its attn_implementation is 'sm70attn', not 'sm70attn'"; it names the mismatch now."""
+    stock = AutoModelForCausalLM.from_config(
+        copy.deepcopy(model.config), attn_implementation="sdpa", dtype=torch.float16
+    )
+    c = hf.PagedE4M3Cache(model.config, max_tokens=64)  # model's config: sm70attn
+    with pytest.raises(RuntimeError, match="built from another model's config") as e:
+        with torch.no_grad():
+            stock(torch.randint(0, 256, (1, 5)), cache=c)
+    assert "not 'sm70attn'" not in str(e.value)
+
+
+def test_a_used_cache_refuses_a_new_prompt_until_reset(model):
+    """generate() on a cache that holds another request fed the new prompt's last tokens after
+    the old ones (a silent wrong continuation); after an overflow it died in a reshape of 0
+    elements. Both now raise with the fix (cache.reset()), and the cache stays refused until
+    then; a continuation of what the cache holds (the whole sequence passed again) still works,
+    and so does the cache after reset(). (A new prompt longer than what the cache holds is
+    what transformers takes for a continuation, its first tokens standing for the cached ones:
+    nothing tells it apart.)"""
+    a, b = requests((30, 20), seed=5)
+    c = cache(model, 1)
+
+    def gen(ids, n=6):
+        with torch.no_grad():
+            return model.generate(
+                ids[None], attention_mask=torch.ones_like(ids[None]), cache=c, max_new_tokens=n,
+                do_sample=False, disable_compile=True,
+            )  # fmt: skip
+
+    first = gen(a)
+    more = gen(first[0], 4)  # the whole sequence: a continuation, as transformers' caches take
+    assert torch.equal(more[0, : first.shape[1]], first[0]) and c.get_seq_length() == 39
+    with pytest.raises(RuntimeError, match=r"did not start at the length of request\(s\) \[0\].*"
+                       r"cache.reset\(\) first"):  # fmt: skip
+        gen(b)  # shorter than what the cache holds: generate() feeds its last token alone
+    with pytest.raises(RuntimeError, match="did not start at.*an earlier error said so"):
+        gen(b)
+    c.reset()
+    assert torch.equal(gen(b), gen_fresh(model, b))
+    c.reset()
+    with pytest.raises(RuntimeError, match="is full"):
+        gen(a, CAP)
+    for ids in (b, a[:3]):  # a prompt within the lengths left at capacity, and a short one
+        with pytest.raises(
+            RuntimeError, match=r"went past its pages in an earlier forward.*reset\(\)"
+        ):
+            gen(ids)
+    c.reset()
+    assert torch.equal(gen(b), gen_fresh(model, b))
+
+
+def gen_fresh(model, ids, n=6):
+    with torch.no_grad():
+        return model.generate(
+            ids[None], attention_mask=torch.ones_like(ids[None]), cache=cache(model, 1),
+            max_new_tokens=n, do_sample=False, disable_compile=True,
+        )  # fmt: skip
 
 
 def test_generate_without_the_cache_warns_once(model):
@@ -523,12 +590,47 @@ def test_request_views_refuse_what_they_cannot_serve(model):
     with pytest.raises(RuntimeError, match=r"request 1 needs 120 tokens \+ reserve 18.*>= 288"):
         speculative.serve(model, [long[:20], long], cache=c, max_new_tokens=10, drafts=8)
     assert c._lens.tolist() == [0, 0]  # refused before any forward: request 0 did not run
-    with pytest.raises(ValueError, match=r"prompt\(s\) \[1\] hold no tokens"):
+    with pytest.raises(ValueError, match=r"prompt 1 holds no tokens"):
         speculative.serve(model, [long, long[:0]], cache=c, max_new_tokens=10)
-    with pytest.raises(TypeError, match="a list of 1-D id tensors"):
+    with pytest.raises(TypeError, match="a list of 1-D integer tensors.*not a 1-D tensor"):
         speculative.serve(model, long, cache=c, max_new_tokens=10)
     one = speculative.serve(model, [long[:20]], cache=c, max_new_tokens=4)  # a free slot too
     assert c._table.shape == (2, 128 // c.page_size) and one.tokens[0].numel() == 4
+
+
+def test_serve_and_generate_refuse_what_is_not_a_request_before_any_forward(model):
+    """What a new user passed: Python lists (AttributeError on .numel), a padded 2-D batch
+    (its padding silently taken for prompt tokens), ids of another vocabulary and an assistant
+    of another vocabulary (IndexError in an embedding). Each is refused before any forward,
+    with what is expected."""
+    c = cache(model, 2)
+    ids = requests((12, 7), seed=3)
+    bad = [
+        (TypeError, r"prompt 0 is a list; prompts are a list of 1-D integer tensors", [[1, 2, 3]]),
+        (
+            TypeError,
+            r"not a 2-D tensor: .*list\(ids.unbind\(0\)\)",
+            torch.stack([ids[0][:7], ids[1]]),
+        ),
+        (TypeError, r"prompt 1 is a 1-D torch.float32 tensor", [ids[0], ids[1].float()]),
+        (TypeError, r"prompt 0 is a 2-D torch.int64 tensor", [ids[0][None]]),
+        (ValueError, r"prompt 1 holds token ids outside \[0, 256\)", [ids[0], ids[1] + 256]),
+        (TypeError, r"not dict", {0: ids[0]}),
+    ]
+    for err, match, prompts in bad:
+        with pytest.raises(err, match=match):
+            speculative.serve(model, prompts, cache=c, max_new_tokens=4)
+    assert c._lens is None  # nothing ran
+    torch.manual_seed(1)
+    other = AutoModelForCausalLM.from_config(
+        tiny(vocab=300, hidden=128, heads=4, head_dim=64), attn_implementation=hf.NAME,
+        dtype=torch.float16,
+    )  # fmt: skip
+    for fn, args in ((speculative.serve, [ids[0]]), (speculative.generate, ids[0][None])):
+        with pytest.raises(ValueError, match="assistant's vocab_size is 300, the model's 256"):
+            fn(model, args, cache=c, max_new_tokens=4, assistant=other,
+               assistant_cache=cache(other, 2))  # fmt: skip
+    assert c._lens is None
 
 
 @pytest.mark.parametrize("chunk", [None, 8])

@@ -70,6 +70,13 @@ def info(args) -> int:
 
 def _cuda_status() -> str:
     """The toolkit (NVRTC and headers), the binding and the cached kernels, in a few lines."""
+    if torch.version.cuda is None:
+        return (
+            f"CUDA: this torch ({torch.__version__}) is a CPU-only build: every op runs the "
+            "reference route, plain PyTorch on the CPU (exact, slow). Nothing is built or "
+            "needed for it. The fused kernels need a GPU and a CUDA build of torch "
+            "(a V100: torch==2.10.0 and the cuda12 extra)"
+        )
     lines = []
     try:
         tk = nvrtc.toolkit()
@@ -212,7 +219,10 @@ def check(args) -> int:
     dev = args.device or _device()
     B, H_kv, G, D, page = 2, 2, 6, 256, 1648
     lens = [max(args.context - 900, args.context // 2, VERIFY_Q), args.context]
-    print(f"device {dev}; B={B} H_kv={H_kv} G={G} D={D} page={page} seq_lens={lens}")
+    print(
+        f"device {dev}; B={B} H_kv={H_kv} G={G} D={D} page={page} (the seeds' page size, "
+        f"whatever the context) seq_lens={lens}"
+    )
     kc, vc, bt, sl, ks, vs = make_paged_problem(B, H_kv, G, D, page, lens, dev)
     ok = True
     for Q, what in ((1, "decode"), (VERIFY_Q, "verify")):
@@ -279,7 +289,11 @@ def main(argv=None) -> int:
         "float16 path, the text printed (needs the hf extra)",
     )
     d.add_argument("--device", type=_demo_device, help="cpu or cuda (default: cuda if present)")
-    d.add_argument("--context", type=_at_least(1), help="prompt tokens (CPU 1024, GPU 32768)")
+    d.add_argument(
+        "--context",
+        type=_at_least(1),
+        help="prompt tokens (CPU 1024; GPU 32768 less the new tokens and drafts)",
+    )
     d.add_argument("--batch", type=_at_least(1), default=1, help="concurrent requests")
     d.add_argument("--model", help="a transformers model folder (default: the shipped model)")
     d.add_argument("--draft", type=_at_least(1), default=4, help="prompt-lookup draft tokens")
@@ -309,12 +323,14 @@ def demo(args) -> int:
 
     dev = args.device or _device()
     gpu = dev.type == "cuda"
+    new = args.new_tokens or (64 if gpu else 32)
     return model_demo.run(
         dev,
-        context=args.context or (32768 if gpu else 1024),
+        # on a GPU the shipped model's 32768 trained positions, prompt and new tokens together
+        context=args.context or (32768 - new - args.draft if gpu else 1024),
         batch=args.batch,
         draft=args.draft,
-        new=args.new_tokens or (64 if gpu else 32),
+        new=new,
         runs=args.runs,
         model=args.model,
     )

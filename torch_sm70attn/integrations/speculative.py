@@ -82,6 +82,7 @@ def generate(
     stores the last draft), so its cache holds what the model's does and both crop alike."""
     if max_new_tokens < 1 or drafts < 1:
         raise ValueError("speculative.generate: need max_new_tokens >= 1 and drafts >= 1")
+    _check_assistant(model, assistant, "speculative.generate")
     eos = set() if eos_token_id is None else set(torch.tensor(eos_token_id).reshape(-1).tolist())
     forward = model if forward is None else forward
     B, dev = input_ids.shape[0], input_ids.device
@@ -162,14 +163,8 @@ def serve(
     the host clock at the round's end; accepted per verify step, over the requests running."""
     if max_new_tokens < 1 or drafts < 1:
         raise ValueError("speculative.serve: need max_new_tokens >= 1 and drafts >= 1")
-    if torch.is_tensor(prompts) and prompts.dim() != 2:
-        raise TypeError(
-            "speculative.serve: prompts are a list of 1-D id tensors (or a 2-D tensor, a "
-            f"request a row), not a tensor of {prompts.dim()} dimension(s)"
-        )
-    empty = [i for i, p in enumerate(prompts) if p.numel() == 0]
-    if empty:
-        raise ValueError(f"speculative.serve: prompt(s) {empty} hold no tokens")
+    _check_prompts(prompts, _vocab(model))
+    _check_assistant(model, assistant, "speculative.serve")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError("speculative.serve: prefill_chunk >= 1 tokens (or None: whole prompts)")
     eos = set() if eos_token_id is None else set(torch.tensor(eos_token_id).reshape(-1).tolist())
@@ -253,6 +248,54 @@ def serve(
                         slot[s] = None
         times.append(time.perf_counter())
     return Output([torch.tensor(o) for o in out], steps, accepted, emitted, times)
+
+
+def _vocab(model) -> int | None:
+    cfg = model.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return getattr(cfg, "vocab_size", None)
+
+
+def _check_prompts(prompts, vocab: int | None) -> None:
+    """serve's prompts: a list (or tuple) of 1-D integer tensors of ids in [0, vocab), each one
+    request's real tokens. A 2-D tensor is refused: its rows may hold padding, which would be
+    taken for prompt tokens."""
+    want = "a list of 1-D integer tensors, one a request (its real tokens, any length)"
+    if torch.is_tensor(prompts):
+        raise TypeError(
+            f"speculative.serve: prompts are {want}, not a {prompts.dim()}-D tensor: for a batch "
+            "whose rows hold no padding pass list(ids.unbind(0)); for a padded one, each row's "
+            "real tokens (ids[b][mask[b].bool()])"
+        )
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"speculative.serve: prompts are {want}, not {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if not torch.is_tensor(p):
+            raise TypeError(
+                f"speculative.serve: prompt {i} is a {type(p).__name__}; prompts are {want} "
+                "(torch.tensor(ids) of a list of ids)"
+            )
+        if p.dim() != 1 or p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
+            raise TypeError(
+                f"speculative.serve: prompt {i} is a {p.dim()}-D {p.dtype} tensor; prompts are {want}"
+            )
+        if p.numel() == 0:
+            raise ValueError(f"speculative.serve: prompt {i} holds no tokens")
+        if vocab is not None and not (0 <= int(p.min()) and int(p.max()) < vocab):
+            raise ValueError(
+                f"speculative.serve: prompt {i} holds token ids outside [0, {vocab}), the "
+                "model's vocab_size (ids of another tokenizer?)"
+            )
+
+
+def _check_assistant(model, assistant, who: str) -> None:
+    """An assistant drafts ids the model reads and reads ids the model emits: one vocabulary."""
+    if assistant is not None and _vocab(assistant) != _vocab(model):
+        raise ValueError(
+            f"{who}: the assistant's vocab_size is {_vocab(assistant)}, the model's "
+            f"{_vocab(model)}: drafts are token ids, so the assistant needs the model's "
+            "vocabulary (the same tokenizer and embedding size)"
+        )
 
 
 def _emit(out: list[int], new: torch.Tensor, max_new_tokens: int, eos: set) -> tuple[int, bool]:

@@ -122,7 +122,8 @@ def kv_scales_from_checkpoint(
 
 def _per_layer(given, layers: int, what: str) -> list:
     """None or one scale (a float, or a tensor of 1 or H_kv values) for every layer, or a list
-    or tuple of one such per layer."""
+    or tuple of one such per layer; each checked here, on the host, once (the first forward,
+    which may be compiled, only shapes them: `_as_scale`)."""
     if isinstance(given, (list, tuple)):
         if len(given) != layers:
             raise ValueError(
@@ -130,16 +131,23 @@ def _per_layer(given, layers: int, what: str) -> list:
                 f"layer ({layers}); give one scale for every layer as a float or a tensor of "
                 "1 or H_kv values"
             )
-        return list(given)
-    return [given] * layers
+        out = list(given)
+    else:
+        out = [given] * layers
+    for s in out:
+        if s is not None:
+            v = torch.as_tensor(s, dtype=torch.float32).reshape(-1).cpu()
+            if not bool((v > 0).all() & v.isfinite().all()):
+                raise ValueError(f"PagedE4M3Cache: {what} must be finite and > 0, got {v.tolist()}")
+    return out
 
 
 def _as_scale(given, heads: int, device) -> torch.Tensor:
+    """A checked scale (`_per_layer`) as float32 [H_kv] on the device: no data is read, so a
+    compiled first forward traces it without a graph break."""
     s = torch.as_tensor(given, dtype=torch.float32, device=device).reshape(-1)
     if s.numel() not in (1, heads):
         raise ValueError(f"PagedE4M3Cache: a scale must have 1 or H_kv={heads} values")
-    if not bool((s > 0).all() & s.isfinite().all()):
-        raise ValueError(f"PagedE4M3Cache: scales must be finite and > 0, got {s.tolist()}")
     return s.expand(heads).contiguous()
 
 
@@ -246,6 +254,12 @@ class PagedE4M3Cache(Cache):
     `reset()` warns about a flag nobody read. The first forward after a reset, and any eager
     forward of more than 16 rows, is checked on the host before it stores (the padding on the
     left; every request within its pages and the reserve).
+
+    Reuse: a cache that holds tokens continues them, as transformers' caches do (to continue,
+    pass the whole sequence so far); for a new prompt call reset() first. An eager forward of
+    several tokens that does not start at each request's length (a new prompt on a used cache:
+    generate() would feed its tokens past the cache's length), and any forward after a request
+    went past its pages, raise with that fix.
     """
 
     def __init__(
@@ -274,6 +288,7 @@ class PagedE4M3Cache(Cache):
         self._first = 0  # request(b) views: b
         self._root = self  # request(b) views: the cache they view (its counters, its batch)
         self._full = self._full_host = None  # device [B] bool: the request went past its pages
+        self._astray = None  # device [B] bool: a forward's tokens did not start at its length
         self._step, self._empty = None, True  # the eager forward's slots; no forward since reset
         self._offsets = {}  # Q -> device [B, Q] int64: slot of row r of request b, less its length
         self._pending = None  # the layer whose attention has not read the cache yet
@@ -281,12 +296,14 @@ class PagedE4M3Cache(Cache):
         self.saturated = [0, 0]  # K and V values stored at +-448 by prompt forwards, of
         self.counted = 0  # this many values each
         self._warned, self._sat = False, []
+        self._stale = None  # why the cache must be reset first (an error raised once said so)
 
     # -- lengths ---------------------------------------------------------------------------------
     def reset(self):
         """Empty every request (the pools, scales, table and their addresses stay). Warns if a
         request went past its pages since the last check (its last tokens were not stored)."""
         self._pending, self._step, self._empty = None, None, True
+        self._root._stale = None
         self._sat.clear()
         if self._lens is not None:
             full = self._full.tolist()
@@ -321,6 +338,8 @@ class PagedE4M3Cache(Cache):
         """The mask function gets the new tokens' columns of the padding mask (see _mask).
         transformers calls this on the host before every forward (generate()'s compiled steps
         too), so the overflow flag is polled here."""
+        if not torch.compiler.is_compiling():
+            self._refuse_stale()
         self._poll()
         return query_length, 0
 
@@ -340,7 +359,7 @@ class PagedE4M3Cache(Cache):
     def check(self) -> None:
         """Raise if a step went past a request's pages (reads the device)."""
         if self._full is not None and not torch.compiler.is_compiling():
-            self._raise_full(self._full.tolist())
+            self._raise_flags(self._full.tolist(), self._astray.tolist())
 
     def _poll(self) -> None:
         """Check the overflow flag without waiting for the GPU: read the copy made at the
@@ -350,20 +369,65 @@ class PagedE4M3Cache(Cache):
             return
         if not self._full.is_cuda:
             return self.check()
-        if self._full_host is None or self._full_host.shape != self._full.shape:
-            self._full_host = torch.zeros(self._full.shape, dtype=torch.bool, pin_memory=True)
-        self._raise_full(self._full_host.tolist())
-        self._full_host.copy_(self._full, non_blocking=True)
+        if self._full_host is None or self._full_host.shape[1:] != self._full.shape:
+            self._full_host = torch.zeros((2, *self._full.shape), dtype=torch.bool, pin_memory=True)
+        self._raise_flags(*self._full_host.tolist())
+        self._full_host[0].copy_(self._full, non_blocking=True)
+        self._full_host[1].copy_(self._astray, non_blocking=True)
 
     def _clear_full(self) -> None:
         self._full.zero_()
+        self._astray.zero_()
         if self._full_host is not None:  # no copy of the old flag may land after this
             torch.cuda.current_stream(self._full.device).synchronize()
             self._full_host.zero_()
 
+    def _refuse_stale(self) -> None:
+        """A forward on a cache that an earlier error left unusable (a request past its pages,
+        tokens stored at another request's positions): reset() first."""
+        if self._root._stale:
+            raise RuntimeError(
+                f"PagedE4M3Cache: {self._root._stale} (an earlier error said so), and the cache "
+                "still holds it: call cache.reset() before the next prompt"
+            )
+
+    def _check_continues(self, position_ids: torch.Tensor) -> None:
+        """An eager forward of several tokens on a cache that holds requests: each request's
+        first new token must sit at its length (one device read). A new prompt on a used cache
+        does not: generate() would feed the prompt's tokens past the cache's length, or none."""
+        lens = self._lens.tolist()
+        first = position_ids.reshape(-1, position_ids.shape[-1])[:, 0].tolist()
+        if len(first) == 1 and len(lens) > 1:
+            first = first * len(lens)
+        for b, (n, p) in enumerate(zip(lens, first, strict=True)):
+            if n != p:
+                raise RuntimeError(
+                    f"PagedE4M3Cache: request {self._first + b} holds {n} tokens, but this "
+                    f"forward's tokens start at position {p}: they do not continue what the "
+                    "cache holds. A cache that holds tokens continues them, as transformers' "
+                    "caches do (pass the whole sequence so far); for a new prompt call "
+                    "cache.reset() first"
+                )
+
+    def _raise_flags(self, full: list[bool], astray: list[bool]) -> None:
+        self._raise_full(full)
+        if any(astray):
+            self._root._stale = "a forward's tokens did not start at their requests' lengths"
+            self._clear_full()
+            which = [self._first + b for b, f in enumerate(astray) if f]
+            raise RuntimeError(
+                f"PagedE4M3Cache: a forward's tokens did not start at the length of request(s) "
+                f"{which}: they do not continue what the cache holds, and were stored after it "
+                "(a new prompt on a used cache: generate() feeds the prompt's tokens past the "
+                "cache's length, or its last one). A cache that holds tokens continues them, as "
+                "transformers' caches do (pass the whole sequence so far); for a new prompt call "
+                "cache.reset() first"
+            )
+
     def _raise_full(self, full: list[bool]) -> None:
         if any(full):
             cap, B = self.limit(), self._root._table.shape[0]
+            self._root._stale = "a request went past its pages in an earlier forward"
             self._clear_full()
             which = [self._first + b for b, f in enumerate(full) if f]
             raise RuntimeError(
@@ -410,6 +474,7 @@ class PagedE4M3Cache(Cache):
                     pool[dst] = pool[src]
         self._lens.copy_(self._lens[beam_idx])
         self._full.copy_(self._full[beam_idx])
+        self._astray.copy_(self._astray[beam_idx])
 
     # -- one request of a running batch (continuous batching) ---------------------------------
     def request(self, b: int) -> PagedE4M3Cache:
@@ -428,10 +493,10 @@ class PagedE4M3Cache(Cache):
         if not 0 <= b < B:
             raise IndexError(f"PagedE4M3Cache.request: request {b} of a batch of {B}")
         view = copy.copy(self)
-        view._table, view._lens, view._full = (
-            t[b : b + 1] for t in (self._table, self._lens, self._full)
+        view._table, view._lens, view._full, view._astray = (
+            t[b : b + 1] for t in (self._table, self._lens, self._full, self._astray)
         )
-        _static(view._table, view._lens, view._full)
+        _static(view._table, view._lens, view._full, view._astray)
         view._max_batch, view._first, view._full_host, view._offsets = 1, self._first + b, None, {}
         view._pending, view._step, view._sat = None, None, []  # (its forwards are all checked)
         return view
@@ -462,6 +527,19 @@ class PagedE4M3Cache(Cache):
         self._allocate(batch, device)
 
     # -- calibration -----------------------------------------------------------------------------
+    def scales(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Each layer's (k_scale, v_scale) as float32 [H_kv] copies, as stored with: given, a
+        checkpoint's, or calibrated (by calibrate() or the first forward); None for a layer
+        that has not calibrated yet. Another cache given them (k_scale=, v_scale=) stores the
+        same values."""
+        return tuple(
+            [
+                None if x is None else x.detach().clone()
+                for x in (getattr(l, w) for l in self.layers)
+            ]
+            for w in ("k_scale", "v_scale")
+        )
+
     @torch.no_grad()
     def calibrate(self, model, input_ids, attention_mask=None, headroom: float = HEADROOM):
         """Set every layer's scales from one forward of a sample (its real tokens: padding is
@@ -508,8 +586,9 @@ class PagedE4M3Cache(Cache):
         self._table = torch.arange(B * W, dtype=torch.int32, device=device).view(B, W)
         self._lens = torch.zeros(B, dtype=torch.int32, device=device)
         self._full = torch.zeros(B, dtype=torch.bool, device=device)
+        self._astray = torch.zeros(B, dtype=torch.bool, device=device)
         self._full_host, self._offsets, self._pending, self._step = None, {}, None, None
-        _static(self._table, self._lens, self._full)
+        _static(self._table, self._lens, self._full, self._astray)
 
     def _prompt_checks(self, Q: int, valid) -> tuple[int, bool]:
         """An eager forward of more than MAX_ROWS rows (a prompt, a prefill chunk): one device
@@ -592,14 +671,27 @@ class PagedE4M3Cache(Cache):
                 "..., kwargs=...), so the sm70attn attention cannot find the paged cache"
             )
         if not torch.compiler.is_compiling():
+            if layer_idx == 0:
+                self._refuse_stale()
+                pos = attn_kwargs.get("position_ids")
+                if key_states.shape[2] > 1 and not self._empty and pos is not None:
+                    self.check()
+                    self._check_continues(pos)
             if self._pending is not None:
                 self._pending = None
                 impl = getattr(self._config, "_attn_implementation", None)
+                why = (
+                    f"its attn_implementation is {impl!r}, not {NAME!r}"
+                    if impl != NAME
+                    else f"the config this cache was built from says {NAME!r}, so this cache "
+                    "was built from another model's config, or this model's attention was "
+                    "changed since: build the cache from the config of the model that runs it, "
+                    "PagedE4M3Cache(model.config, ...)"
+                )
                 raise RuntimeError(
-                    "PagedE4M3Cache: the model's attention did not read the cache (its "
-                    f"attn_implementation is {impl!r}, not {NAME!r}). Call "
-                    f"torch_sm70attn.integrations.transformers.register() and load the model "
-                    f"with attn_implementation={NAME!r}, or model.set_attn_implementation("
+                    f"PagedE4M3Cache: the model's attention did not read the cache ({why}). "
+                    f"Call torch_sm70attn.integrations.transformers.register() and load the "
+                    f"model with attn_implementation={NAME!r}, or model.set_attn_implementation("
                     f"{NAME!r}). Two models built from one config object share it: "
                     "from_config(cfg, attn_implementation=...) writes into cfg, so give each "
                     "model its own copy.deepcopy(cfg). Then cache.reset()"
@@ -608,12 +700,14 @@ class PagedE4M3Cache(Cache):
         attn_kwargs[NAME] = (self, layer_idx)
         return key_states, value_states
 
-    def store(self, layer_idx: int, key_states, value_states, valid):
+    def store(self, layer_idx: int, key_states, value_states, valid, position_ids=None):
         """Store the new tokens ([B, H_kv, Q, D]; valid: bool [B, Q] or None, False for
-        padding) of one layer; returns what the attention reads: (key_cache, value_cache,
-        table, lens, k_scale, v_scale, pages, fresh, valid). `pages` (eager prefill only, else
-        None) cuts the table for the prefill route, which gathers every page it is given;
-        `fresh` marks a prompt without padding (plain causal attention there)."""
+        padding; position_ids [B or 1, Q], the model's, if it passes them) of one layer; returns
+        what the attention reads: (key_cache, value_cache, table, lens, k_scale, v_scale, pages,
+        fresh, valid). `pages` (eager prefill only, else None) cuts the table for the prefill
+        route, which gathers every page it is given; `fresh` marks a prompt without padding
+        (plain causal attention there). A request whose first new token's position is not its
+        length is flagged (on the device; raised at the next host check)."""
         B, H, Q, D = key_states.shape
         compiling = torch.compiler.is_compiling()
         if not compiling:
@@ -633,6 +727,9 @@ class PagedE4M3Cache(Cache):
                     pages, fresh = self._prompt_checks(Q, valid)
                     pages = pages if Q > MAX_ROWS else None
                 self._empty = False
+            if position_ids is not None:
+                first = position_ids.reshape(-1, position_ids.shape[-1])[:, 0]
+                self._astray.logical_or_(first.to(self._lens.dtype) != self._lens)
             self._advance(Q, valid)
             if not compiling:  # every layer of an eager forward reuses them
                 self._step = (self._slots(Q, valid), pages, fresh)
@@ -721,7 +818,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             "dtype=torch.float16"
         )
     kc, vc, table, lens, ks, vs, pages, fresh, valid = cache.store(
-        layer_idx, key, value, attention_mask
+        layer_idx, key, value, attention_mask, kwargs.get("position_ids")
     )
     if query.shape[2] <= MAX_ROWS:
         out = sa.paged_attention(query, kc, vc, table, lens, scale=scaling, k_scale=ks, v_scale=vs)
