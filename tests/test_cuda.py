@@ -528,14 +528,15 @@ def test_cuda_errors_name_the_argument():
         op(dict(p, seq_lens=p["seq_lens"][:1]))
 
 
-# (label, problem kwargs, cache misaligned): one admitted call and one of each refusal
+# (label, problem kwargs, caches misaligned): one admitted call and one of each refusal
 ROUTE_CASES = [
-    ("admitted", dict(D=128, G=4, Q=2), False),
-    ("head dim 96", dict(D=96, G=4, Q=1), False),
-    ("group size 12", dict(D=64, G=12, Q=1), False),
-    ("query rows 17", dict(D=64, G=2, Q=17), False),
-    ("capacity", dict(D=64, G=2, Q=1, page_size=4096, lens=[100, 37], extra_pages=64), False),
-    ("8-byte alignment", dict(D=64, G=2, Q=1), True),
+    ("admitted", dict(D=128, G=4, Q=2), ()),
+    ("head dim 96", dict(D=96, G=4, Q=1), ()),
+    ("group size 12", dict(D=64, G=12, Q=1), ()),
+    ("query rows 17", dict(D=64, G=2, Q=17), ()),
+    ("capacity", dict(D=64, G=2, Q=1, page_size=4096, lens=[100, 37], extra_pages=64), ()),
+    ("8-byte alignment", dict(D=64, G=2, Q=1), ("key_cache", "value_cache")),
+    ("value_cache alignment", dict(D=64, G=2, Q=1), ("value_cache",)),
 ]
 
 
@@ -547,12 +548,12 @@ def test_raw_op_and_public_function_take_the_route_admit_says(case, monkeypatch,
     label, kw, misaligned = case
     p = make_problem(B=2, H_kv=1, device=DEV, **kw)
     if misaligned:  # the same values one byte into a wider row
-        for name in ("key_cache", "value_cache"):
+        for name in misaligned:
             c = p[name]
             wide = torch.zeros(*c.shape[:-1], c.shape[-1] + 8, dtype=c.dtype, device=DEV)
             wide[..., 1 : c.shape[-1] + 1] = c
             p[name] = wide[..., 1 : c.shape[-1] + 1]
-    want = sa.admit(p["query"], p["key_cache"], p["block_table"])
+    want = sa.admit(p["query"], p["key_cache"], p["block_table"], value_cache=p["value_cache"])
     assert (want.route == sa.CUDA) == (label == "admitted"), want
     ops.load_cuda_kernels()
     calls = []

@@ -351,6 +351,13 @@ def test_admit_on_cpu_and_shape_reasons(monkeypatch):
     # 8-byte alignment of cache rows (interleaved K/V views are fine, odd offsets are not).
     odd = torch.empty(1, 16, 1, 72, dtype=FP8)[..., 1:65]
     assert "8-byte aligned" in routes.shape_refusal(q[:, :6], odd)
+    # both caches, as the binding checks them (a value_cache alone off was admitted, and the
+    # binding's refusal then ended in "please report this")
+    even = torch.empty(1, 16, 1, 64, dtype=FP8)
+    assert routes.shape_refusal(q[:, :6], even, value_cache=even) is None
+    why = routes.shape_refusal(q[:, :6], even, value_cache=odd)
+    assert why.startswith("value_cache strides") and "8-byte aligned" in why, why
+    assert routes.shape_refusal(q[:, :6], odd, value_cache=even).startswith("key_cache")
 
 
 # --- the CLI --------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def cuda_fallback(query, key_cache, value_cache, block_table, seq_lens, scale, k
     """The reference route of a CUDA call the binding does not take to its kernels (it checks the
     manifest's bounds, handed over at load): routes.admit says why, once per reason, as for the
     public function's calls."""
-    a = routes.admit(query, key_cache, block_table)
+    a = routes.admit(query, key_cache, block_table, value_cache=value_cache)
     if a.route == routes.CUDA:
         raise RuntimeError(
             "torch_sm70attn: the binding refused a call that torch_sm70attn.admit admits "

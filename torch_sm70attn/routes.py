@@ -68,14 +68,16 @@ def dtype_refusal(query, key_cache) -> str | None:
     return None
 
 
-def shape_refusal(query, key_cache, block_table=None, served_capacity=None) -> str | None:
+def shape_refusal(
+    query, key_cache, block_table=None, served_capacity=None, value_cache=None
+) -> str | None:
     """Why the manifest does not admit these shapes/dtypes/strides, or None."""
     return dtype_refusal(query, key_cache) or _layout_refusal(
-        query, key_cache, block_table, served_capacity
+        query, key_cache, block_table, served_capacity, value_cache
     )
 
 
-def _layout_refusal(query, key_cache, block_table, served_capacity) -> str | None:
+def _layout_refusal(query, key_cache, block_table, served_capacity, value_cache=None) -> str | None:
     """shape_refusal past the dtypes: head dim, group size, rows, capacity, alignment."""
     _, H_q, Q, D = query.shape
     _, page_size, H_kv, _ = key_cache.shape
@@ -96,21 +98,29 @@ def _layout_refusal(query, key_cache, block_table, served_capacity) -> str | Non
     # The kernels load K/V rows 8 bytes at a time at least (16 where strides allow). Dynamo
     # cannot trace storage_offset(): inside a traced function (the attention of a compiled
     # model) the offset is left to the CUDA kernel, which raises on a misaligned cache.
-    # A stride only matters along a dimension of size > 1 (as the binding reads it).
-    offset = 0 if torch.compiler.is_compiling() else key_cache.storage_offset()
-    strides = zip(key_cache.stride()[:-1], key_cache.shape[:-1])  # noqa: B905
-    if offset % 8 or any(s % 8 for s, n in strides if n > 1):
-        return f"cache strides {key_cache.stride()} / offset not 8-byte aligned"
+    # A stride only matters along a dimension of size > 1 (as the binding reads it). The binding
+    # checks both caches: so does this, where the caller gives value_cache.
+    caches = [("cache", key_cache)] if value_cache is None else [
+        ("key_cache", key_cache), ("value_cache", value_cache)
+    ]  # fmt: skip
+    for name, cache in caches:
+        offset = 0 if torch.compiler.is_compiling() else cache.storage_offset()
+        strides = zip(cache.stride()[:-1], cache.shape[:-1])  # noqa: B905
+        if offset % 8 or any(s % 8 for s, n in strides if n > 1):
+            return f"{name} strides {cache.stride()} / offset not 8-byte aligned"
     return None
 
 
-def admit(query, key_cache, block_table=None, *, served_capacity=None) -> Admission:
-    """Route for a paged_attention call with these tensors (real or fake) and the reason."""
+def admit(
+    query, key_cache, block_table=None, *, served_capacity=None, value_cache=None
+) -> Admission:
+    """Route for a paged_attention call with these tensors (real or fake) and the reason
+    (value_cache: its alignment is checked too, as the binding does)."""
     why = dtype_refusal(query, key_cache)
     if why:
         return Admission(UNSUPPORTED, why + ": paged_attention raises TypeError")
     reason = _device_refusal(query) or _layout_refusal(
-        query, key_cache, block_table, served_capacity
+        query, key_cache, block_table, served_capacity, value_cache
     )
     if reason is None:
         return Admission(CUDA, "admitted")
