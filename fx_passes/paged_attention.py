@@ -35,7 +35,8 @@ recomputes them from the block table and the cache. Only what the kernels need a
 Whatever cannot be proven leaves the graph unchanged; the reason is logged at DEBUG on
 logger "torch_sm70attn" and counted in torch._dynamo.utils.counters["sm70attn"]. Where the
 SDPA reads a float8 cache (the model asked for this backend, so a refusal is news), the
-cause and what to change are logged once per source line at WARNING.
+cause and what to change are logged once per source line at WARNING. An SDPA of provably more
+query rows than the kernels take (a prefill) is left as it is without trying, and counted.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from torch._dynamo.utils import counters
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from torch_sm70attn import routes
+from torch_sm70attn.manifest import MANIFEST
 
 from .common import (
     FP8,
@@ -664,18 +666,15 @@ def _warn_refusal(node: fx.Node, why: str, fix: str | None) -> None:
     )
 
 
-# The transformers attention's prefill route (more query rows than the kernels take): SDPA over
-# the dequantized pages by design, not a candidate (a refusal there would be noise).
-OWN_PREFILL = ("torch_sm70attn/integrations/transformers.py", "_prefill")
-
-
-def _own_prefill(node: fx.Node) -> bool:
-    frames = re.findall(r'File "([^"]+)", line \d+, in (\S+)', node.meta.get("stack_trace") or "")
-    return (
-        bool(frames)
-        and frames[-1][0].replace("\\", "/").endswith(OWN_PREFILL[0])
-        and (frames[-1][1] == OWN_PREFILL[1])
-    )
+def _prefill(node: fx.Node) -> bool:
+    """An SDPA of provably more query rows than the kernels take: a prefill (a prompt, the
+    transformers attention's prefill route), which stays SDPA by design, so its refusal is no
+    news. Symbolic rows that may be fewer are tried as any other SDPA."""
+    q = arg(node, 0, "query")
+    q = q.meta.get("example_value", q.meta.get("val")) if isinstance(q, fx.Node) else None
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        return False
+    return statically_known_true(q.shape[2] > MANIFEST.query_rows[-1])
 
 
 def rewrite_graph(graph: fx.Graph) -> int:
@@ -684,9 +683,11 @@ def rewrite_graph(graph: fx.Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in SDPA:
             continue
-        if _own_prefill(node):
-            counters["sm70attn"]["sdpa_own_prefill"] += 1
-            log.debug("sm70attn: SDPA %s is the attention's prefill route, kept", node.name)
+        if _prefill(node):
+            counters["sm70attn"]["sdpa_prefill_kept"] += 1
+            log.debug(
+                "sm70attn: SDPA %s has more query rows than the kernels take: kept", node.name
+            )
             continue
         try:
             rewrite_sdpa(graph, node)

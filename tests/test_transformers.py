@@ -326,8 +326,8 @@ def test_whole_model_compiled_prompt_traces_whole_and_keeps_its_prefill_quietly(
     """torch.compile(model, backend="sm70attn") over the whole model, the prompt compiled too
     (fullgraph: a graph break is an error). Given scales are checked when the cache is made, so
     the first forward reads no scale data (it broke the graph in `_as_scale`); the prompt's SDPA
-    over the dequantized pages is the attention's own prefill route, which the pass keeps
-    without a refusal warning (it warned "query is torch.float32, not float16" on a CPU). The
+    over the dequantized pages (the attention's prefill route: more rows than the kernels
+    take) is kept by the pass without a refusal warning (it warned "query is torch.float32, not float16" on a CPU). The
     prompt's and the decode steps' logits equal eager's."""
     import logging
 
@@ -350,7 +350,7 @@ def test_whole_model_compiled_prompt_traces_whole_and_keeps_its_prefill_quietly(
     with caplog.at_level(logging.WARNING, logger="torch_sm70attn"):
         got = run(compiled)
     assert not [r for r in caplog.records if "slow gather path" in r.getMessage()], caplog.text
-    assert counters["sm70attn"]["sdpa_own_prefill"] == 2  # the prompt graph's two layers
+    assert counters["sm70attn"]["sdpa_prefill_kept"] == 2  # the prompt graph's two layers
     assert counters["sm70attn"]["sdpa_refused"] == 0
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=2e-3)
