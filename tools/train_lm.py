@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import lzma
 import math
 import time
 from pathlib import Path
@@ -31,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from torch_sm70attn.integrations.shipped import token_file
 
 EOT, EOT_ID = "<|endoftext|>", 0  # lm_corpus.EOT, the tokenizer's first special token
 CONFIG = dict(
@@ -50,14 +51,6 @@ CONFIG = dict(
     pad_token_id=EOT_ID,
 )
 SHORT, LONG = 4096, 32768
-
-
-def tokens(path: Path) -> np.ndarray:
-    """uint16 token ids from path, or from path + '.xz'."""
-    if path.exists():
-        return np.fromfile(path, dtype=np.uint16)
-    with lzma.open(str(path) + ".xz") as f:
-        return np.frombuffer(f.read(), dtype=np.uint16)
 
 
 def build(device):
@@ -159,8 +152,8 @@ def main() -> int:
     short, long = args.lengths
     dev = torch.device(args.device)
     t_start = time.perf_counter()
-    train = torch.from_numpy(tokens(args.data / "train.u16").astype(np.int64)).to(dev)
-    held = torch.from_numpy(tokens(args.data / "heldout.u16").astype(np.int64)).to(dev)
+    train = token_file(args.data / "train.u16").to(dev)
+    held = token_file(args.data / "heldout.u16").to(dev)
     print(f"tokens: train {train.numel() / 1e6:.2f} M, held-out {held.numel() / 1e6:.2f} M", flush=True)  # fmt: skip
     torch.backends.cuda.matmul.allow_tf32 = True
     model, cfg = build(dev)

@@ -102,5 +102,14 @@ def continuations(stream: torch.Tensor, eot: int, ctx: int, n: int, min_file=153
 
 
 def token_file(path) -> torch.Tensor:
-    """A uint16 token file of tools/lm_corpus.py (heldout.u16) as 1-D int64."""
-    return torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
+    """A uint16 token file of tools/lm_corpus.py (heldout.u16; or path + ".xz", compressed)
+    as 1-D int64."""
+    path = Path(path)
+    if path.exists():
+        data = np.fromfile(path, dtype=np.uint16)
+    else:
+        import lzma
+
+        with lzma.open(str(path) + ".xz") as f:
+            data = np.frombuffer(f.read(), dtype=np.uint16)
+    return torch.from_numpy(data.astype(np.int64))

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from .transformers import positions
+from .transformers import positions, text_config
 
 
 @dataclasses.dataclass
@@ -251,9 +251,7 @@ def serve(
 
 
 def _vocab(model) -> int | None:
-    cfg = model.config
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return getattr(cfg, "vocab_size", None)
+    return getattr(text_config(model.config), "vocab_size", None)
 
 
 def _check_prompts(prompts, vocab: int | None) -> None:

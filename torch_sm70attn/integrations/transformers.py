@@ -160,6 +160,11 @@ def _calibrated(x: torch.Tensor, valid, headroom: float) -> torch.Tensor:
     return torch.where(amax > 0, amax / E4M3_MAX * headroom, 1.0).contiguous()
 
 
+def text_config(config):
+    """The language model's config (a multimodal config's text part)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """position_ids of a left-padded batch as generate() computes them: each request's real
     tokens count from 0 (padding gets 0)."""
@@ -256,10 +261,10 @@ class PagedE4M3Cache(Cache):
     left; every request within its pages and the reserve).
 
     Reuse: a cache that holds tokens continues them, as transformers' caches do (to continue,
-    pass the whole sequence so far); for a new prompt call reset() first. An eager forward of
-    several tokens that does not start at each request's length (a new prompt on a used cache:
-    generate() would feed its tokens past the cache's length), and any forward after a request
-    went past its pages, raise with that fix.
+    pass the whole sequence so far); for a new prompt call reset() first. A forward whose
+    tokens do not start at each request's length (a new prompt on a used cache: generate()
+    feeds its last tokens past the cache's length) is flagged on the device and raised at the
+    next host check, as an overflow is; after either, every forward raises until reset().
     """
 
     def __init__(
@@ -272,7 +277,7 @@ class PagedE4M3Cache(Cache):
         v_scale=None,
         reserve: int = 0,
     ):
-        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        cfg = text_config(config)
         if page_size < 1 or max_tokens < page_size or max_batch_size < 1 or reserve < 0:
             raise ValueError(
                 "PagedE4M3Cache: need page_size >= 1, max_tokens >= page_size, a batch >= 1 "
@@ -390,24 +395,6 @@ class PagedE4M3Cache(Cache):
                 f"PagedE4M3Cache: {self._root._stale} (an earlier error said so), and the cache "
                 "still holds it: call cache.reset() before the next prompt"
             )
-
-    def _check_continues(self, position_ids: torch.Tensor) -> None:
-        """An eager forward of several tokens on a cache that holds requests: each request's
-        first new token must sit at its length (one device read). A new prompt on a used cache
-        does not: generate() would feed the prompt's tokens past the cache's length, or none."""
-        lens = self._lens.tolist()
-        first = position_ids.reshape(-1, position_ids.shape[-1])[:, 0].tolist()
-        if len(first) == 1 and len(lens) > 1:
-            first = first * len(lens)
-        for b, (n, p) in enumerate(zip(lens, first, strict=True)):
-            if n != p:
-                raise RuntimeError(
-                    f"PagedE4M3Cache: request {self._first + b} holds {n} tokens, but this "
-                    f"forward's tokens start at position {p}: they do not continue what the "
-                    "cache holds. A cache that holds tokens continues them, as transformers' "
-                    "caches do (pass the whole sequence so far); for a new prompt call "
-                    "cache.reset() first"
-                )
 
     def _raise_flags(self, full: list[bool], astray: list[bool]) -> None:
         self._raise_full(full)
@@ -671,12 +658,6 @@ class PagedE4M3Cache(Cache):
                 "..., kwargs=...), so the sm70attn attention cannot find the paged cache"
             )
         if not torch.compiler.is_compiling():
-            if layer_idx == 0:
-                self._refuse_stale()
-                pos = attn_kwargs.get("position_ids")
-                if key_states.shape[2] > 1 and not self._empty and pos is not None:
-                    self.check()
-                    self._check_continues(pos)
             if self._pending is not None:
                 self._pending = None
                 impl = getattr(self._config, "_attn_implementation", None)
