@@ -247,10 +247,9 @@ def greedy(model, tok, stream, args, dev, out, per):
     out["greedy"] = {"prompts": P, "prompt_tokens": L, "new_tokens": G, **res}
 
 
-def report(files: list[str]) -> str:
+def report(results: list[dict]) -> str:
     lines = []
-    for f in files:
-        r = json.loads(Path(f).read_text())
+    for r in results:
         lines.append(f"\n{r['header']}\n")
         base = r["perplexity"]["float16"]["nll"]
         lines.append("| cache | scales | NLL / token | vs float16 | top-1 agreement | KL |")
@@ -303,7 +302,7 @@ def main() -> int:
     ap.add_argument("--report", nargs="+", default=None)
     args = ap.parse_args()
     if args.report:
-        print(report(args.report))
+        print(report([json.loads(Path(f).read_text()) for f in args.report]))
         return 0
     from transformers import AttentionInterface
 
@@ -335,16 +334,10 @@ def main() -> int:
         long_context(model, stream, args, dev, out, per)
     if args.prompts:
         greedy(model, tok, stream, args, dev, out, per)
-    print(report_from(out))
+    print(report([out]))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
-
-
-def report_from(out: dict) -> str:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(out, f)
-    return report([f.name])
 
 
 if __name__ == "__main__":
