@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config  # noqa
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
 import torch_sm70attn as sa  # noqa: E402
+from torch_sm70attn import paging  # noqa: E402
 from torch_sm70attn.integrations import transformers as hf  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -124,12 +125,12 @@ def test_prefill_route_matches_the_op():
     bt = torch.randperm(P, generator=g)[: B * W].view(B, W).int()
     sl = torch.tensor([Q, 50], dtype=torch.int32)
     ks, vs = torch.tensor([0.05, 0.07]), torch.tensor([0.04, 0.03])
-    got = hf._prefill(q, kc, vc, bt, sl, D**-0.5, ks, vs)
+    got = paging.prefill(q, kc, vc, bt, sl, D**-0.5, ks, vs)
     want = sa.paged_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
     assert rel_err(got, want.double()) < 2e-3
     # a fresh prompt (every request holds just its Q tokens): causal attention, no mask
     sl = torch.tensor([Q, Q], dtype=torch.int32)
-    got = hf._prefill(q, kc, vc, bt, sl, D**-0.5, ks, vs, fresh=True)
+    got = paging.prefill(q, kc, vc, bt, sl, D**-0.5, ks, vs, fresh=True)
     want = sa.paged_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
     assert rel_err(got, want.double()) < 2e-3
 

@@ -32,10 +32,11 @@ from transformers import AttentionInterface, DynamicCache, StaticCache
 from transformers.masking_utils import AttentionMaskInterface
 
 import torch_sm70attn as sa
+from torch_sm70attn import paging
 from torch_sm70attn.integrations import demo
 from torch_sm70attn.integrations import transformers as hf
 
-_gather_sdpa = torch.compile(hf._prefill, dynamic=True)
+_gather_sdpa = torch.compile(paging.prefill, dynamic=True)
 
 
 def fp8_gather_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):

@@ -41,12 +41,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 import torch_sm70attn as sa
-from torch_sm70attn.manifest import MANIFEST, admitted_capacity, contract
+from torch_sm70attn import paging
+from torch_sm70attn.manifest import admitted_capacity, contract
 
 NAME = "sm70attn"  # no "flash" in it: transformers would look for a flash-attention package
 FP8 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-MAX_ROWS = MANIFEST.query_rows[-1]  # more query rows take the prefill route
+E4M3_MAX, MAX_ROWS = paging.E4M3_MAX, paging.MAX_ROWS
 HEADROOM = 2.0  # calibrated scale = amax / 448 * HEADROOM: later tokens may be larger
 _warned: set[str] = set()
 
@@ -801,11 +801,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     kc, vc, table, lens, ks, vs, pages, fresh, valid = cache.store(
         layer_idx, key, value, attention_mask, kwargs.get("position_ids")
     )
-    if query.shape[2] <= MAX_ROWS:
-        out = sa.paged_attention(query, kc, vc, table, lens, scale=scaling, k_scale=ks, v_scale=vs)
-    else:
-        table = table if pages is None else table[:, :pages]
-        out = _prefill(query, kc, vc, table, lens, scaling, ks, vs, fresh, valid)
+    out = paging.attend(query, kc, vc, table, lens, scaling, ks, vs, pages=pages, fresh=fresh)
     return out.transpose(1, 2), None
 
 
@@ -831,35 +827,6 @@ def _unpaged(query, key, value, padding, scale):
     if padding is not None:  # a row that sees nothing (padding) is 0, not NaN
         out = out.masked_fill(~mask.any(-1, keepdim=True), 0)
     return out.transpose(1, 2)
-
-
-def _prefill(query, kc, vc, table, lens, scale, ks, vs, fresh=False, valid=None):
-    """More than 16 query rows: SDPA over the request's pages, dequantized (FP32 on the CPU,
-    where half-precision SDPA is slow and rounds more), with the op's visibility rule. A fresh
-    prompt (every request holds just these Q tokens) is plain causal attention over its first
-    Q positions; otherwise (padding, a chunked prefill) the rule is a [B, 1, Q, capacity] mask,
-    and a row that sees nothing (left padding of a prompt) outputs 0, as in the op."""
-    B, H_q, Q, D = query.shape
-    H = kc.shape[2]
-    dt = query.dtype if query.is_cuda else torch.float32
-    k = kc[table].flatten(1, 2).to(dt) * ks.view(1, 1, H, 1).to(dt)
-    v = vc[table].flatten(1, 2).to(dt) * vs.view(1, 1, H, 1).to(dt)
-    if fresh:
-        k, v, mask = k[:, :Q], v[:, :Q], None
-    else:
-        mask = sa.verifier_mask(lens, Q, k.shape[1])
-    out = F.scaled_dot_product_attention(
-        query.to(dt),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask,
-        is_causal=fresh,
-        scale=scale,
-        enable_gqa=True,
-    )
-    if mask is not None:
-        out = out.masked_fill(~mask.any(-1, keepdim=True), 0)
-    return out.to(query.dtype)
 
 
 def _mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):
