@@ -179,9 +179,13 @@ def test_mixed_batch():
 def test_uniform_verify_batch_with_padded_requests():
     """A full CUDA graph's batch: every request 1 + 7 rows, then requests vLLM pads with no
     tokens and length 0."""
-    step = Step([(33, 8), (70, 8), (8, 8)], pad_reqs=2, seed=1)
+    step = Step([(33, 8), (70, 8), (8, 8)], pad_reqs=2, pad=16, seed=1)
     out, m, _ = run(step)
-    assert (m.num_decodes, m.rows, m.uniform, m.prefills) == (5, 8, False, [])
+    assert (m.num_decodes, m.rows, m.uniform, m.prefills) == (5, 8, True, [])
+    check(step, out)
+    step = Step([(33, 8), (70, 8), (8, 8)], pad_reqs=2, seed=1)  # tokens not padded: ragged
+    out, m, _ = run(step)
+    assert (m.num_decodes, m.rows, m.uniform) == (5, 8, False)
     check(step, out)
     step = Step([(33, 8), (70, 8), (8, 8)], seed=1)
     out, m, _ = run(step)

@@ -93,7 +93,7 @@ def register() -> None:
 class SM70AttnMetadata:
     """One step, for every layer: vLLM's tensors (on the device) and the split into decodes
     (the first `num_decodes` requests, `num_decode_tokens` tokens, at most `rows` rows each;
-    `uniform`: each exactly `rows`) and prefills ((request, first token, end token, seq_len),
+    `uniform`: each exactly `rows`, padding requests of none aside) and prefills ((request, first token, end token, seq_len),
     host ints)."""
 
     num_actual_tokens: int
@@ -134,9 +134,37 @@ class SM70AttnMetadataBuilder(AttentionMetadataBuilder[SM70AttnMetadata]):
                 f"torch_sm70attn serves contexts up to {MANIFEST.max_context} tokens, the model's "
                 f"max_model_len is {max_len}: pass --max-model-len {MANIFEST.max_context} or less"
             )
+        if torch.device(device).type == "cuda":
+            self._preload(kv_cache_spec, vllm_config, device)
         if not SM70AttnMetadataBuilder._logged:
             SM70AttnMetadataBuilder._logged = True
             log.info(_routes_line(self.reorder_batch_threshold))
+
+    def _preload(self, spec, vllm_config, device) -> None:
+        """Load every kernel a full CUDA graph may capture, now: vLLM captures its uniform
+        decode and verify batches without a warm-up run first, and no kernel can be loaded
+        inside a capture. The kernel depends on the rows, the table's capacity and the layout
+        (a batch of each captured size, over a cache laid out as vLLM's, is called once)."""
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        H_q, H_kv, D = mc.get_num_attention_heads(pc), spec.num_kv_heads, spec.head_size
+        spec_cfg = vllm_config.speculative_config
+        k = spec_cfg.num_speculative_tokens if spec_cfg is not None else 0
+        sizes = vllm_config.compilation_config.cudagraph_capture_sizes or []
+        width = -(-mc.max_model_len // self.block_size)
+        cache = torch.zeros(1, 2, self.block_size, H_kv, D, dtype=torch.uint8, device=device)
+        kc, vc = _fp8_caches(cache)
+        calls = 0
+        for rows in sorted({1, min(1 + k, paging.MAX_ROWS)}):
+            for B in sorted(
+                {min(vllm_config.scheduler_config.max_num_seqs, -(-n // rows)) for n in sizes}
+            ):
+                q = torch.zeros(B, H_q, rows, D, dtype=torch.float16, device=device)
+                table = torch.zeros(B, width, dtype=torch.int32, device=device)
+                lens = torch.zeros(B, dtype=torch.int32, device=device)
+                sa.paged_attention(q, kc, vc, table, lens, scale=1.0)
+                calls += 1
+        torch.cuda.synchronize(device)
+        log.info("torch_sm70attn: kernels of %d captured batch shapes loaded before capture", calls)
 
     def build(
         self,
@@ -166,9 +194,20 @@ class SM70AttnMetadataBuilder(AttentionMetadataBuilder[SM70AttnMetadata]):
             num_decodes=nd,
             num_decode_tokens=ndt,
             rows=rows,
-            uniform=bool(nd) and all(n == rows for n in q_lens),
+            uniform=_uniform(q_lens, rows, ndt),
             prefills=prefills,
         )
+
+
+def _uniform(q_lens: list[int], rows: int, tokens: int) -> bool:
+    """Every decode request has `rows` query rows, but for padding requests of none after them
+    (a full CUDA graph's batch): the step's tokens are then [requests, rows] as they lie."""
+    real = sum(1 for n in q_lens if n)
+    return (
+        bool(q_lens)
+        and tokens == rows * len(q_lens)
+        and q_lens == [rows] * real + [0] * (len(q_lens) - real)
+    )
 
 
 def _fp8_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,6 +321,9 @@ class SM70AttnImpl(AttentionImpl[SM70AttnMetadata]):
             else:
                 out[:T] = paging.unragged(o, paging.token_rows(m.query_start_loc, nd, rows, T))
         for b, start, end, n in m.prefills:
+            if n == 0:  # a padding request: no tokens to see
+                out[start:end] = 0
+                continue
             pages = -(-n // kc.shape[1])
             q = query[start:end].transpose(0, 1)[None]
             o = paging.prefill(

@@ -1,0 +1,304 @@
+"""vLLM end to end with this package's backend, through vLLM's own OpenAI server.
+
+    python tools/vllm_e2e.py --out DIR [--steps tokens,spec,bench] [--concurrency 1 4 8]
+
+Needs a GPU, vLLM and this package installed (its entry point registers the CUSTOM backend).
+Steps:
+- prepare: the shipped model copied to DIR/model with KV-cache scales calibrated on its own
+  held-out text (PagedE4M3Cache.calibrate, one per layer: the largest of the KV heads') and
+  written into the checkpoint the way vLLM reads them (`model.layers.N.self_attn.k_scale` /
+  `v_scale`, with a compressed-tensors quantization_config that quantizes the KV cache only);
+- tokens: 8 concurrent greedy requests of different prompt lengths (this package's own source)
+  through `--attention-backend CUSTOM --kv-cache-dtype fp8_e4m3` and through vLLM's own
+  TRITON_ATTN with the same cache dtype and scales (it dequantizes to float16, as we do): the
+  tokens of each request up to the first difference, and float16's top-2 logprob gap there;
+- spec: the same requests with n-gram speculative decoding (7 drafts), through our verify path:
+  tokens against plain decoding, acceptance from the server's /metrics;
+- bench: `vllm bench serve` (random 32000-token prompts, 128 new tokens, ignore-eos) at each
+  concurrency, our backend against FLASH_ATTN with a float16 cache and with an fp8 one.
+Each server's log is kept (DIR/server-*.log); whether it captured full CUDA graphs is read from
+it. Writes DIR/vllm_e2e.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+PORT = 8123
+MAX_LEN = 32768
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 7,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+}
+CAPTURE = [1, 2, 4, 8, 16, 24, 32, 48, 64, 128]  # tokens a step: C8 x 8 rows at most
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- the model folder ---------------------------------------------------------------------------
+def prepare(out: Path) -> Path:
+    """The shipped model with per-layer KV scales in its checkpoint, as vLLM reads them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import torch_sm70attn as sa
+    from torch_sm70attn.integrations import shipped
+    from torch_sm70attn.integrations.transformers import PagedE4M3Cache
+
+    folder = out / "model"
+    if folder.exists():
+        shutil.rmtree(folder)
+    shutil.copytree(sa.model_path(), folder)
+    model, tok = shipped.load("cuda")
+    model.set_attn_implementation("sm70attn")
+    sample = shipped.own_source(tok)[:4096][None].cuda()
+    cache = PagedE4M3Cache(model.config, max_tokens=8192).calibrate(model, sample)
+    ks, vs = cache.scales()
+    weights = load_file(folder / "model.safetensors")
+    for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = k.max().reshape(()).float().cpu()
+        weights[f"model.layers.{i}.self_attn.v_scale"] = v.max().reshape(()).float().cpu()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "dense",
+        "config_groups": {},
+        "ignore": [],
+        "kv_cache_scheme": {
+            "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+            "symmetric": True,
+        },
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    scales = {"k": [float(k.max()) for k in ks], "v": [float(v.max()) for v in vs]}
+    log(f"model with KV scales at {folder}: {scales}")
+    del model
+    torch.cuda.empty_cache()
+    return folder
+
+
+# --- a server -------------------------------------------------------------------------------------
+def _get(path: str, timeout=5.0) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}{path}", timeout=timeout) as r:
+        return r.read().decode()
+
+
+def _post(path: str, body: dict, timeout=600.0) -> dict:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{PORT}{path}", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+@contextlib.contextmanager
+def server(out: Path, name: str, model: Path, backend: str, kv_dtype: str, spec=None):
+    """`vllm serve` in its own process; yields the log's path once /health answers."""
+    logf = out / f"server-{name}.log"
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+        "--port", str(PORT), "--dtype", "float16", "--kv-cache-dtype", kv_dtype,
+        "--attention-backend", backend, "--max-model-len", str(MAX_LEN),
+        "--gpu-memory-utilization", "0.5", "--max-num-seqs", "16", "--seed", "0",
+        "--compilation-config", json.dumps({"cudagraph_capture_sizes": CAPTURE}),
+    ]  # fmt: skip
+    if spec:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    log(f"serve {name}: {' '.join(cmd[3:])}")
+    t0 = time.time()
+    with open(logf, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server {name} exited ({proc.returncode}):\n" + _tail(logf))
+            with contextlib.suppress(OSError):
+                if _get("/health", timeout=2) is not None:
+                    break
+            if time.time() - t0 > 420:
+                raise RuntimeError(f"server {name} not up in 420 s:\n" + _tail(logf))
+            time.sleep(1)
+        log(f"serve {name}: up in {time.time() - t0:.0f} s")
+        yield logf
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 2)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def _tail(path: Path, n=40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+
+
+def graphs(logf: Path) -> dict:
+    """What the server's log says of CUDA graphs and the routes."""
+    text = logf.read_text(errors="replace")
+    keep = ("cudagraph", "CUDA graph", "Graph capturing", "torch_sm70attn", "CUSTOM", "eager")
+    lines = [ln.split("] ", 1)[-1] for ln in text.splitlines() if any(k in ln for k in keep)]
+    return {
+        "full_graphs_captured": bool(re.search(r"Capturing CUDA graphs \([^)]*FULL", text)),
+        "lines": lines[:30],
+    }
+
+
+# --- requests -------------------------------------------------------------------------------------
+def prompts(model: Path, lengths: list[int]) -> list[list[int]]:
+    """Prompts of these lengths from this package's own source (held out from training)."""
+    from transformers import AutoTokenizer
+
+    from torch_sm70attn.integrations import shipped
+
+    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    stream = shipped.own_source(tok)
+    return [stream[i * 997 : i * 997 + n].tolist() for i, n in enumerate(lengths)]
+
+
+def complete(model: Path, ids: list[list[int]], new: int) -> list[dict]:
+    """Concurrent greedy completions; per request its token ids and top-2 logprobs a step."""
+    results: list[dict | None] = [None] * len(ids)
+
+    def one(i):
+        r = _post("/v1/completions", {
+            "model": str(model), "prompt": ids[i], "max_tokens": new, "temperature": 0,
+            "logprobs": 2, "return_tokens_as_token_ids": True, "ignore_eos": True,
+        })  # fmt: skip
+        lp = r["choices"][0]["logprobs"]
+        toks = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+        top = [sorted(d.values(), reverse=True) for d in lp["top_logprobs"]]
+        results[i] = {"tokens": toks, "top2": top}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ids))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any(r is None for r in results):
+        raise RuntimeError("a request failed (see the server log)")
+    return results
+
+
+def compare(ours: list[dict], ref: list[dict]) -> list[dict]:
+    """Per request: tokens equal before the first difference, and the reference's top-2
+    logprob gap at it (a near tie where small)."""
+    rows = []
+    for a, b in zip(ours, ref, strict=True):
+        n = next(
+            (i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=True)) if x != y),
+            None,
+        )
+        gap = None
+        if n is not None and len(b["top2"][n]) > 1:
+            gap = b["top2"][n][0] - b["top2"][n][1]
+        rows.append({"equal_prefix": len(a["tokens"]) if n is None else n, "gap": gap})
+    return rows
+
+
+def metrics() -> dict:
+    """Speculative decoding's counters from the server's /metrics."""
+    got = {}
+    for line in _get("/metrics").splitlines():
+        m = re.match(r"^(vllm:spec_decode_num_\w+?)(?:_total)?(?:\{[^}]*\})? ([0-9.e+]+)$", line)
+        if m and "per_pos" not in m[1]:
+            got[m[1]] = got.get(m[1], 0.0) + float(m[2])
+    return got
+
+
+# --- the benchmark -------------------------------------------------------------------------------
+def bench(out: Path, model: Path, name: str, concurrency: list[int], new: int) -> list[dict]:
+    rows = []
+    for c in concurrency:
+        f = f"bench-{name}-c{c}.json"
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+            "--backend", "vllm", "--base-url", f"http://127.0.0.1:{PORT}", "--model", str(model),
+            "--dataset-name", "random", "--random-input-len", str(MAX_LEN - new - 640),
+            "--random-output-len", str(new), "--num-prompts", str(max(2 * c, 4)),
+            "--max-concurrency", str(c), "--ignore-eos", "--seed", "0", "--save-result",
+            "--result-dir", str(out), "--result-filename", f,
+        ]  # fmt: skip
+        log(f"bench {name} C{c}")
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        r = json.loads((out / f).read_text())
+        keep = ("output_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms")
+        rows.append({"backend": name, "concurrency": c, **{k: r.get(k) for k in keep}})
+        log(f"  {rows[-1]}")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--steps", default="tokens,spec,bench")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--new", type=int, default=48, help="new tokens a request (tokens, spec)")
+    ap.add_argument("--bench-new", type=int, default=128)
+    ap.add_argument("--lengths", type=int, nargs="+",
+                    default=[37, 300, 1200, 2500, 6000, 11000, 20000, 30000])  # fmt: skip
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    steps = a.steps.split(",")
+    result_file = a.out / "vllm_e2e.json"
+    res = json.loads(result_file.read_text()) if result_file.exists() else {}
+    model = a.out / "model"
+    if not (model / "config.json").exists():
+        model = prepare(a.out)
+    ids = prompts(model, a.lengths)
+
+    def save():
+        result_file.write_text(json.dumps(res, indent=1))
+
+    if "tokens" in steps or "spec" in steps:
+        with server(a.out, "custom", model, "CUSTOM", "fp8_e4m3") as logf:
+            ours = complete(model, ids, a.new)
+            res["custom_graphs"] = graphs(logf)
+        with server(a.out, "triton", model, "TRITON_ATTN", "fp8_e4m3") as logf:
+            ref = complete(model, ids, a.new)
+        res["tokens"] = {"lengths": a.lengths, "new": a.new, "vs_triton": compare(ours, ref)}
+        log(f"tokens vs TRITON_ATTN fp8: {res['tokens']['vs_triton']}")
+        save()
+    if "spec" in steps:
+        with server(a.out, "custom-spec", model, "CUSTOM", "fp8_e4m3", SPEC) as logf:
+            spec = complete(model, ids, a.new)
+            res["spec"] = {"config": SPEC, "metrics": metrics(), "vs_plain": compare(spec, ours)}
+            res["spec_graphs"] = graphs(logf)
+        log(f"spec: {res['spec']}")
+        save()
+    if "bench" in steps:
+        rows = []
+        for name, backend, kv in (
+            ("custom-fp8", "CUSTOM", "fp8_e4m3"),
+            ("flash-fp16", "FLASH_ATTN", "auto"),
+            ("flash-fp8", "FLASH_ATTN", "fp8_e4m3"),
+        ):
+            with server(a.out, name, model, backend, kv):
+                rows += bench(a.out, model, name, a.concurrency, a.bench_new)
+            res["bench"] = rows
+            save()
+    save()
+    log(f"wrote {result_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
