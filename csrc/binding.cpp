@@ -143,10 +143,10 @@ void check_cu(CUresult err, const char* what) {
 // --- Set by torch_sm70attn at load (init): the kernel loader, the reference route, the manifest.
 // Python objects are never freed: they must not be released without the GIL at exit.
 py::object* g_fetch = nullptr;     // torch_sm70attn.nvrtc.fetch(family, params, device) -> (cubin, symbol)
-py::object* g_fallback = nullptr;  // torch_sm70attn.ops.cuda_fallback(*paged_attention's args) -> Tensor
+py::object* g_fallback = nullptr;  // torch_sm70attn.ops.cuda_fallback(*paged_attention's args, rule) -> Tensor
 
 // The capability manifest (torch_sm70attn/manifest.py, the one place it is written): the shapes a
-// call may take the kernels for. Others take the reference route, as torch_sm70attn.admit says.
+// call may take the kernels for (route_refusal).
 struct Bounds {
   std::vector<int> head_dims;
   i64 group_mask = 0, rows_mask = 0;  // bit n: n admitted (group sizes, query rows; at most 62)
@@ -208,6 +208,28 @@ const DeviceInfo& device_info(int device) {
     d.cc = 10 * major + minor;
   });
   return cache[device];
+}
+
+// A cache whose rows all start 8-byte (16-byte) aligned: the kernels' narrowest (widest) KV loads.
+bool cache_aligned(const at::Tensor& t, i64 align) { return ptr_aligned(t, align) && strides_aligned(t, 3, align); }
+
+// The route of a call: the name of the first rule of torch_sm70attn/routes.py's RULES it fails,
+// of those applied here ("binding"), in that table's order and under its names (tests/test_routes.py
+// reads them from this function), or nullptr: the kernels take it. The route is decided here
+// alone; routes.admit predicts it from metadata, and ops.cuda_fallback words the reason.
+const char* route_refusal(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                          i64 G, i64 Q, i64 D, i64 page_size, i64 capacity) {
+  if (device_info(query.get_device()).cc < g_bounds.min_cc) return "compute capability";
+  if (std::find(g_bounds.head_dims.begin(), g_bounds.head_dims.end(), D) == g_bounds.head_dims.end())
+    return "head dim";
+  if (!in_mask(g_bounds.group_mask, G)) return "group size";
+  if (!in_mask(g_bounds.rows_mask, Q)) return "query rows";
+  // Whole pages covering the contract (manifest.admitted_capacity with no served capacity).
+  if (capacity > (g_bounds.max_context + page_size - 1) / std::max<i64>(page_size, 1) * page_size)
+    return "table capacity";
+  if (!cache_aligned(key_cache, 8)) return "key_cache alignment";
+  if (!cache_aligned(value_cache, 8)) return "value_cache alignment";
+  return nullptr;
 }
 
 int device_attribute(int device, CUdevice_attribute a) {
@@ -339,22 +361,13 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   const int ks_stride = scale_stride(k_scale, H_kv, query, "k_scale");
   const int vs_stride = scale_stride(v_scale, H_kv, query, "v_scale");
 
-  // The route: shapes the manifest does not admit, and caches not 8-byte aligned (the kernels'
-  // narrowest loads), run the reference (torch_sm70attn.admit gives the reason, and warns once).
+  // The route: a call that fails a rule runs the reference, handed the rule's name (Python only on
+  // this path: an admitted call never enters the interpreter).
   const i64 G = H_q / H_kv, capacity = max_pages * page_size;
-  const i64 admitted_capacity = (g_bounds.max_context + page_size - 1) / std::max<i64>(page_size, 1) * page_size;
-  auto kv_aligned = [&](i64 a) {
-    return ptr_aligned(key_cache, a) && ptr_aligned(value_cache, a) && strides_aligned(key_cache, 3, a) &&
-           strides_aligned(value_cache, 3, a);
-  };
-  const bool admitted =
-      std::find(g_bounds.head_dims.begin(), g_bounds.head_dims.end(), D) != g_bounds.head_dims.end() &&
-      in_mask(g_bounds.group_mask, G) && in_mask(g_bounds.rows_mask, Q) && capacity <= admitted_capacity &&
-      kv_aligned(8) && device_info(query.get_device()).cc >= g_bounds.min_cc;
-  if (!admitted) {
+  if (const char* rule = route_refusal(query, key_cache, value_cache, G, Q, D, page_size, capacity)) {
     TORCH_CHECK(g_fallback, "torch_sm70attn: the CUDA library was not initialised");
     py::gil_scoped_acquire gil;
-    return (*g_fallback)(query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale)
+    return (*g_fallback)(query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, rule)
         .cast<at::Tensor>();
   }
   // The kernels' token arithmetic is int32, with headroom for a split's rounding (len + splits -
@@ -363,7 +376,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK_VALUE(capacity <= max_capacity && P <= INT_MAX,
                     msg("capacity (max_pages * page_size = ", capacity, ") must be at most ", max_capacity,
                         " and num_pages (", P, ") must fit in int32"));
-  const int vec = kv_aligned(16) ? 16 : 8;  // 16-byte KV loads when every row start allows them
+  // 16-byte KV loads when every row start allows them
+  const int vec = cache_aligned(key_cache, 16) && cache_aligned(value_cache, 16) ? 16 : 8;
 
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor out = at::empty({B, H_q, Q, D}, query.options());
@@ -562,9 +576,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           if (!g_fallback) g_fallback = new py::object();
           *g_fetch = fetch, *g_fallback = fallback;
         },
-        "called once by torch_sm70attn.ops.load_cuda_kernels: the kernel loader, the reference route and the "
-        "capability manifest's bounds", py::arg("fetch"), py::arg("fallback"), py::arg("head_dims"),
-        py::arg("group_sizes"), py::arg("query_rows"), py::arg("max_context"), py::arg("min_cc"));
+        "called once by torch_sm70attn.ops.load_cuda_kernels: the kernel loader, the reference route (called "
+        "with the name of the rule a call failed) and the capability manifest's bounds", py::arg("fetch"),
+        py::arg("fallback"), py::arg("head_dims"), py::arg("group_sizes"), py::arg("query_rows"),
+        py::arg("max_context"), py::arg("min_cc"));
   m.def("set_validate", [](bool on) { g_validate.store(on); },
         "host-side checks of seq_lens and block_table in paged_attention (syncs; skipped while capturing)");
   m.def("set_plan_override", [](int num_sms, int sm_smem_bytes) {
@@ -589,9 +604,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           g_kernel.store(k);
         },
         "tests and A/B runs only: the attention kernel of the calls where the register-fragment one applies "
-        "(D = 256 with 17-48 rows per CTA): 'wmma', 'rf-m8n8k4', 'rf-m16n8k16' (SM80+) or 'auto' (the default: "
-        "rf-m8n8k4 for CTAs of 33-48 rows from 64K tokens on a V100, SM 7.0, else wmma); "
-        "set it while no other thread launches", pybind11::arg("kind"));
+        "(D = 256 with 17-48 rows per CTA): 'wmma', 'rf-m8n8k4', 'rf-m16n8k16' (SM80+) or 'auto' (the default, "
+        "sm70attn::attn_default_kind: rf-m8n8k4 on a V100, SM 7.0, for CTAs of 17-32 rows from 64K tokens of "
+        "capacity and of 33-48 rows from 128K, else wmma); set it while no other thread launches",
+        pybind11::arg("kind"));
   m.def("plan", [](int64_t B, int64_t H_q, int64_t H_kv, int64_t Q, int64_t D, int64_t capacity, int vec, int device) {
           TORCH_CHECK_VALUE(B >= 1 && H_kv >= 1 && H_q >= H_kv && H_q % H_kv == 0 && in_mask(g_bounds.group_mask, H_q / H_kv) &&
                             in_mask(g_bounds.rows_mask, Q) && capacity >= 0 && capacity <= (int64_t)INT_MAX - 1024 &&

@@ -143,3 +143,71 @@ def random_geometry(rng) -> dict:
         extra_pages=rng.randint(0, 2),
         seed=rng.randint(0, 2**31 - 1),
     )
+
+
+# The route table's cases (torch_sm70attn/routes.py: RULES): (id, the rule the call fails first,
+# or "admitted"; make_problem kwargs; {tensor: change}). One case per rule and per tensor it
+# reads; tests/test_routes.py checks admit on each (fake CUDA tensors on the CPU), and
+# tests/test_cuda.py that the binding's route and reason on the GPU are admit's.
+ROUTE_CASES = [
+    ("admitted", "admitted", dict(D=128, G=4, Q=2), {}),
+    ("query dtype", "query dtype", dict(D=64, G=2, Q=1), {"query": "float32"}),
+    ("key_cache dtype", "key_cache dtype", dict(D=64, G=2, Q=1), {"key_cache": "uint8"}),
+    ("value_cache dtype", "value_cache dtype", dict(D=64, G=2, Q=1), {"value_cache": "uint8"}),
+    ("disabled", "TORCH_SM70ATTN_DISABLE", dict(D=64, G=2, Q=1), {}),  # the test sets it
+    ("device cpu", "device", dict(D=64, G=2, Q=1), {}),  # the test keeps the tensors on the CPU
+    ("sm_61", "compute capability", dict(D=64, G=2, Q=1), {}),  # (on the CPU: a faked sm_61)
+    ("head dim 96", "head dim", dict(D=96, G=4, Q=1), {}),
+    ("group size 12", "group size", dict(D=64, G=12, Q=1), {}),
+    ("query rows 0", "query rows", dict(D=64, G=2, Q=0), {}),
+    ("query rows 17", "query rows", dict(D=64, G=2, Q=17), {}),
+    (
+        "table capacity",
+        "table capacity",
+        dict(D=64, G=2, Q=1, page_size=4096, lens=[100, 37], extra_pages=64),
+        {},
+    ),
+    ("key_cache offset", "key_cache alignment", dict(D=64, G=2, Q=1), {"key_cache": "offset"}),
+    ("key_cache stride", "key_cache alignment", dict(D=64, G=2, Q=1), {"key_cache": "stride"}),
+    (
+        "value_cache offset",
+        "value_cache alignment",
+        dict(D=64, G=2, Q=1),
+        {"value_cache": "offset"},
+    ),
+    (
+        "value_cache stride",
+        "value_cache alignment",
+        dict(D=64, G=2, Q=1),
+        {"value_cache": "stride"},
+    ),
+    (
+        "both caches offset",  # the first rule failed is the reason
+        "key_cache alignment",
+        dict(D=64, G=2, Q=1),
+        {"key_cache": "offset", "value_cache": "offset"},
+    ),
+]
+
+
+def route_case_problem(case, device="cpu"):
+    """make_problem(B=2, H_kv=1, **kwargs) with the case's changes, on `device`."""
+    _, _, kw, changes = case
+    p = make_problem(B=2, H_kv=1, device=device, **kw)
+    for name, change in changes.items():
+        t = p[name]
+        if change == "float32":
+            p[name] = t.float()
+        elif change == "uint8":
+            p[name] = t.view(torch.uint8)
+        elif change in ("offset", "stride"):
+            # The same values one byte into rows 8 bytes wider (an odd offset, aligned strides),
+            # or in rows 1 byte wider (offset 0, odd strides).
+            D = t.shape[-1]
+            extra, start = (8, 1) if change == "offset" else (1, 0)
+            wide = torch.zeros(*t.shape[:-1], D + extra, dtype=t.dtype, device=t.device)
+            wide[..., start : start + D] = t
+            p[name] = wide[..., start : start + D]
+        else:
+            raise ValueError(change)
+    return p

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from oracle import attention_fp64, encode_e4m3, rel_err
-from problems import make_problem, op_args, rising_scores
+from problems import ROUTE_CASES, make_problem, op_args, rising_scores, route_case_problem
 
 import torch_sm70attn as sa
 from torch_sm70attn import ops, reference, routes
@@ -528,55 +528,79 @@ def test_cuda_errors_name_the_argument():
         op(dict(p, seq_lens=p["seq_lens"][:1]))
 
 
-# (label, problem kwargs, caches misaligned): one admitted call and one of each refusal
-ROUTE_CASES = [
-    ("admitted", dict(D=128, G=4, Q=2), ()),
-    ("head dim 96", dict(D=96, G=4, Q=1), ()),
-    ("group size 12", dict(D=64, G=12, Q=1), ()),
-    ("query rows 17", dict(D=64, G=2, Q=17), ()),
-    ("capacity", dict(D=64, G=2, Q=1, page_size=4096, lens=[100, 37], extra_pages=64), ()),
-    ("8-byte alignment", dict(D=64, G=2, Q=1), ("key_cache", "value_cache")),
-    ("value_cache alignment", dict(D=64, G=2, Q=1), ("value_cache",)),
-]
-
-
 @pytest.mark.parametrize("case", ROUTE_CASES, ids=[c[0] for c in ROUTE_CASES])
 def test_raw_op_and_public_function_take_the_route_admit_says(case, monkeypatch, record):
-    """One rule for every call: the binding decides by the manifest it was handed at load, for
-    the raw op (a compiled graph's) and the public function alike; a call it refuses runs the
-    reference, once per reason with a warning, and admit() names the same route."""
-    label, kw, misaligned = case
-    p = make_problem(B=2, H_kv=1, device=DEV, **kw)
-    if misaligned:  # the same values one byte into a wider row
-        for name in misaligned:
-            c = p[name]
-            wide = torch.zeros(*c.shape[:-1], c.shape[-1] + 8, dtype=c.dtype, device=DEV)
-            wide[..., 1 : c.shape[-1] + 1] = c
-            p[name] = wide[..., 1 : c.shape[-1] + 1]
-    want = sa.admit(p["query"], p["key_cache"], p["block_table"], value_cache=p["value_cache"])
-    assert (want.route == sa.CUDA) == (label == "admitted"), want
+    """One rule (routes.RULES), one case per rule and per tensor (tests/problems.py): the binding
+    decides the route by the manifest it was handed at load, for the raw op (a compiled graph's)
+    and the public function alike, and names the first rule a call fails; such a call runs the
+    reference, once per reason with a warning whose reason is admit's. The rules applied before
+    the binding (DISABLE: the public function; the device: the dispatcher) and the op's dtype
+    rules (TypeError) are checked the same way where they apply."""
+    label, want_rule, _, _ = case
+    monkeypatch.delenv("TORCH_SM70ATTN_DISABLE", raising=False)
     ops.load_cuda_kernels()
-    calls = []
-    real = ops._paged_attention_ref
-    monkeypatch.setattr(ops, "_paged_attention_ref", lambda *a: calls.append(a) or real(*a))
-    monkeypatch.setattr(routes, "_warned", set())
+    if want_rule == "compute capability" and torch.cuda.get_device_capability() >= (7, 0):
+        pytest.skip("every CUDA device this suite runs on is SM70 or newer")
+    p = route_case_problem(case, device="cpu" if want_rule == "device" else DEV)
+    if want_rule == "TORCH_SM70ATTN_DISABLE":
+        monkeypatch.setenv("TORCH_SM70ATTN_DISABLE", "1")
+    want = sa.admit(p["query"], p["key_cache"], p["block_table"], value_cache=p["value_cache"])
+    rule = routes.first_refusal(
+        routes.Call(p["query"], p["key_cache"], p["value_cache"], p["block_table"])
+    )
+    assert (rule[0].name if rule else "admitted") == want_rule, (label, want)
     args = op_args(p)
-    for call in (
-        lambda: torch.ops.sm70attn.paged_attention(*args),
-        lambda: sa.paged_attention(*args[:5], scale=args[5], k_scale=args[6], v_scale=args[7]),
-    ):
-        calls.clear()
+
+    def raw():
+        return torch.ops.sm70attn.paged_attention(*args)
+
+    def public():
+        return sa.paged_attention(*args[:5], scale=args[5], k_scale=args[6], v_scale=args[7])
+
+    if want.route == sa.UNSUPPORTED:  # the op's own rule: TypeError naming the tensor
+        for call in (raw, public):
+            with pytest.raises(TypeError, match=rule[0].tensor):
+                call()
+        return
+    # Which route ran: the reference through the fallback counts a call, and the binding's
+    # refusal names its rule.
+    calls, named = [], []
+    real_ref, real_reason = ops._paged_attention_ref, routes.binding_reason
+    monkeypatch.setattr(ops, "_paged_attention_ref", lambda *a: calls.append(a) or real_ref(*a))
+    monkeypatch.setattr(
+        routes, "binding_reason", lambda name, c: named.append(name) or real_reason(name, c)
+    )
+    monkeypatch.setattr(routes, "_warned", set())
+    # DISABLE is the public function's (read on every call; a raw op call reads it at the load
+    # only); a CPU call never reaches the binding (the dispatcher runs the CPU kernel).
+    by = rule[0].by if rule else "binding"
+    checked = [public] if want_rule == "TORCH_SM70ATTN_DISABLE" else [raw, public]
+    for call in checked:
+        calls.clear(), named.clear()
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             out = call()
-        assert len(calls) == (want.route == sa.REFERENCE), (label, want)
         warned = [str(x.message) for x in w if "reference route" in str(x.message)]
-        assert len(warned) <= 1 and (not warned or want.reason in warned[0]), warned
-        ref64 = attention_fp64(*args)
-        bound = 2 * rel_err(real(*args), ref64) + 1e-5
-        assert rel_err(out, ref64) <= bound, label
-        record("cuda routes", rel_err(out, ref64), label)
-    assert routes._warned == ({want.reason} if want.route == sa.REFERENCE else set())
+        if want.route == sa.CUDA:
+            assert not calls and not named and not warned, (label, warned)
+        elif by == "binding":
+            assert len(calls) == 1 and named == [want_rule], (label, named)
+            assert warned == [
+                f"torch_sm70attn: paged_attention takes the slow reference route: {want.reason}"
+            ] or (call is public and not warned), (label, warned)  # (warned once: by the raw op)
+        else:
+            assert not named and not warned, (label, named, warned)
+            assert len(calls) == (want_rule == "TORCH_SM70ATTN_DISABLE"), label
+        if out.numel():
+            ref64 = attention_fp64(*args)
+            bound = 2 * rel_err(real_ref(*args), ref64) + 1e-5
+            assert rel_err(out, ref64) <= bound, label
+            record("cuda routes", rel_err(out, ref64), label)
+        else:
+            assert out.shape == args[0].shape, label
+    assert routes._warned == (
+        {want.reason} if by == "binding" and want.route == sa.REFERENCE else set()
+    )
 
 
 def test_public_wrapper_falls_back_with_one_warning(record):

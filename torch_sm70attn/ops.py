@@ -119,18 +119,14 @@ def _install_loader() -> None:
         _loader.impl(name, _first_cuda_call(name), "CUDA")
 
 
-def cuda_fallback(query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale):
-    """The reference route of a CUDA call the binding does not take to its kernels (it checks the
-    manifest's bounds, handed over at load): routes.admit says why, once per reason, as for the
-    public function's calls."""
-    a = routes.admit(query, key_cache, block_table, value_cache=value_cache)
-    if a.route == routes.CUDA:
-        raise RuntimeError(
-            "torch_sm70attn: the binding refused a call that torch_sm70attn.admit admits "
-            f"(query {tuple(query.shape)}, cache {tuple(key_cache.shape)} strides "
-            f"{key_cache.stride()}, table {tuple(block_table.shape)}): please report this"
-        )
-    routes.warn_fallback(a.reason)
+def cuda_fallback(
+    query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, rule
+):
+    """The reference route of a CUDA call the binding refused: `rule` names the first of
+    routes.RULES it failed (the binding decides, by the manifest handed over at load), whose
+    reason is warned once per reason, as for the public function's calls."""
+    call = routes.Call(query, key_cache, value_cache, block_table)
+    routes.warn_fallback(routes.binding_reason(rule, call))
     return _paged_attention_ref(
         query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale
     )

@@ -31,7 +31,7 @@ def paged_attention(query, key_cache, value_cache, block_table, seq_lens, scale,
     for b, L in enumerate(seq_lens.tolist()):
         L = min(max(L, 0), capacity)
         last = L - Q + rows  # last visible position of each row; < 0 sees nothing
-        if L == 0 or last.max() < 0:
+        if L == 0 or last.numel() == 0 or last.max() < 0:  # (no rows: Q = 0 or H_q = 0)
             continue
         # [H_q, Q, D] -> [H_kv, G*Q, D]: query head h = kv * G + g reads KV head kv.
         q = query[b].float().reshape(H_kv, G * Q, D) * scale
