@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from torch_sm70attn import _jit, nvrtc
+from torch_sm70attn import _jit, toolchain
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
@@ -29,7 +29,7 @@ class FakeModule:
         return self._digest
 
 
-TOOLKIT = nvrtc.Toolkit(version=(12, 8), includes=("/cuda/include",))
+TOOLKIT = toolchain.Toolkit(version=(12, 8), includes=("/cuda/include",))
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def builder(monkeypatch, tmp_path):
     """TORCH_SM70ATTN_BUILD_DIR in tmp_path and a recording stand-in for torch's builder."""
     monkeypatch.setenv("TORCH_SM70ATTN_BUILD_DIR", str(tmp_path / "build"))
     monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.8")
-    monkeypatch.setattr(nvrtc, "toolkit", lambda: TOOLKIT)
+    monkeypatch.setattr(toolchain, "toolkit", lambda: TOOLKIT)
     calls = []
 
     def load(**kw):

@@ -10,14 +10,14 @@ import re
 import pytest
 import torch
 
-from torch_sm70attn import nvrtc
+from torch_sm70attn import nvrtc, toolchain
 from torch_sm70attn.manifest import MANIFEST
 
 
 def have_nvrtc() -> bool:
     """An NVRTC that compiles for sm_70: CUDA 12's (CUDA 13 dropped sm_70)."""
     try:
-        return nvrtc.toolkit().version[0] == 12
+        return toolchain.toolkit().version[0] == 12
     except RuntimeError:
         return False
 
@@ -90,12 +90,12 @@ def test_a_missing_header_names_its_package_and_the_extra(monkeypatch, tmp_path)
     (tmp_path / "cuda_runtime" / "include").mkdir(parents=True)
     for h in ("cuda.h", "cuda_runtime_api.h", "cuda_fp16.h", "mma.h"):
         (tmp_path / "cuda_runtime" / "include" / h).write_text("")
-    monkeypatch.setattr(nvrtc, "_nvidia_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(toolchain, "_nvidia_dirs", lambda: [tmp_path])
     with pytest.raises(RuntimeError, match=r"crt/mma\.h .*nvidia-cuda-nvcc-cu12.*\[cuda12\]"):
-        nvrtc.header_dirs(12)
+        toolchain.header_dirs(12)
     (tmp_path / "cu13" / "include" / "crt").mkdir(parents=True)
     with pytest.raises(RuntimeError, match=r"cuda\.h .*nvidia-cuda-runtime\).*\[cuda13\]"):
-        nvrtc.header_dirs(13)
+        toolchain.header_dirs(13)
 
 
 def test_fetch_refuses_a_kernel_the_lists_do_not_hold():

@@ -321,43 +321,21 @@ def test_no_literal_context_bound_outside_the_manifest():
     assert not offenders, f"context bound written outside manifest.py: {offenders}"
 
 
-def test_admit_on_cpu_and_shape_reasons(monkeypatch):
-    p = make_problem(D=64)
-    a = sa.admit(p["query"], p["key_cache"], p["block_table"])
-    assert a.route == sa.REFERENCE and "cpu" in a.reason
-    monkeypatch.setenv("TORCH_SM70ATTN_DISABLE", "1")
-    assert sa.admit(p["query"], p["key_cache"]).reason == "TORCH_SM70ATTN_DISABLE=1"
-    q96 = torch.empty(1, 6, 1, 96, dtype=torch.float16)
-    c96 = torch.empty(1, 16, 1, 96, dtype=FP8)
-    assert "head dim 96" in routes.shape_refusal(q96, c96)
-    q = torch.empty(1, 12, 1, 64, dtype=torch.float16)
-    c = torch.empty(1, 16, 1, 64, dtype=FP8)
-    assert "group size" in routes.shape_refusal(q, c)
-    assert "query rows 17" in routes.shape_refusal(
-        torch.empty(1, 1, 17, 64, dtype=torch.float16), c
-    )
-    assert routes.shape_refusal(q[:, :6], c) is None
-    # Capacity: whole pages covering the contract are admitted, more is not.
+def test_shape_refusal_at_the_capacity_bound():
+    """Whole pages covering the contract are admitted, more is not (one case per rule:
+    tests/test_routes.py)."""
+    q = torch.empty(1, 6, 1, 64, dtype=torch.float16)
     cap = sa.contract()
     page = 3296
     cache = torch.empty(1, page, 1, 64, dtype=FP8)
     ok = torch.empty(1, -(-cap // page), dtype=torch.int32)
     too_big = torch.empty(1, -(-cap // page) + 1, dtype=torch.int32)
-    assert routes.shape_refusal(q[:, :6], cache, ok) is None
-    assert "exceeds the contract" in routes.shape_refusal(q[:, :6], cache, too_big)
-    assert "exceeds the contract" in routes.shape_refusal(
-        q[:, :6], cache, ok, served_capacity=cap // 2
-    )
-    # 8-byte alignment of cache rows (interleaved K/V views are fine, odd offsets are not).
-    odd = torch.empty(1, 16, 1, 72, dtype=FP8)[..., 1:65]
-    assert "8-byte aligned" in routes.shape_refusal(q[:, :6], odd)
-    # both caches, as the binding checks them (a value_cache alone off was admitted, and the
-    # binding's refusal then ended in "please report this")
-    even = torch.empty(1, 16, 1, 64, dtype=FP8)
-    assert routes.shape_refusal(q[:, :6], even, value_cache=even) is None
-    why = routes.shape_refusal(q[:, :6], even, value_cache=odd)
-    assert why.startswith("value_cache strides") and "8-byte aligned" in why, why
-    assert routes.shape_refusal(q[:, :6], odd, value_cache=even).startswith("key_cache")
+    assert routes.shape_refusal(q, cache, ok) is None
+    assert "exceeds the contract" in routes.shape_refusal(q, cache, too_big)
+    assert "exceeds the contract" in routes.shape_refusal(q, cache, ok, served_capacity=cap // 2)
+    # Interleaved K/V views are 8-byte aligned: admitted.
+    kv = torch.empty(1, 16, 1, 2, 64, dtype=FP8)
+    assert routes.shape_refusal(q, kv[:, :, :, 0], value_cache=kv[:, :, :, 1]) is None
 
 
 # --- the CLI --------------------------------------------------------------------------
@@ -386,13 +364,13 @@ def test_cli_info():
 @pytest.mark.skipif(torch.version.cuda is None, reason="a CPU-only torch has no NVRTC to find")
 def test_cli_info_says_where_nvrtc_comes_from():
     """The NVRTC it found and the headers' folders, or the extra to install."""
-    from torch_sm70attn import nvrtc
+    from torch_sm70attn import toolchain
 
     r = _cli("info", CUDA_VISIBLE_DEVICES="")
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("NVRTC"))
     try:
-        tk = nvrtc.toolkit()
+        tk = toolchain.toolkit()
         assert line.startswith(f"NVRTC {tk.version[0]}.{tk.version[1]}, CUDA headers in "), line
     except RuntimeError:
         assert "pip install 'torch-sm70attn[cuda1" in line, line

@@ -61,10 +61,11 @@ def test_unroll_step_of_a_loop_counter():
 def test_trip_counts_evaluated_in_the_kernels_scope():
     """The bounds of the tile loop's inner loops, for D128 MB4 (NVRTC of the runtime route, the
     extra cuda12): KT::DPK = 8 D slices, PASSES = 2 softmax passes (a constexpr of the kernel)."""
-    from torch_sm70attn import nvrtc
+
+    from torch_sm70attn import toolchain
 
     try:
-        major = nvrtc.toolkit().version[0]
+        major = toolchain.toolkit().version[0]
     except RuntimeError as e:
         pytest.skip(f"no NVRTC (extra cuda12): {e}")
     if major != 12:

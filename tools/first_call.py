@@ -20,7 +20,7 @@ import time
 import torch
 
 import torch_sm70attn as sa
-from torch_sm70attn import _jit, nvrtc, ops
+from torch_sm70attn import _jit, nvrtc, ops, toolchain
 
 
 def problem(B, Q, ctx, H_kv=1, G=6, D=256, page=1648):
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     for name, B, Q, ctx in (("decode B1 Q1 32K", 1, 1, 32768), ("verify B8 Q8 128K", 8, 8, 131072)):
         res[name] = first_calls(*problem(B, Q, ctx))
     res.update(
-        arch=arch, nvrtc=".".join(map(str, nvrtc.toolkit().version)), torch=torch.__version__
+        arch=arch, nvrtc=".".join(map(str, toolchain.toolkit().version)), torch=torch.__version__
     )
     print(json.dumps(res, indent=1))
     if a.json:

@@ -16,7 +16,7 @@ import torch
 
 import torch_sm70attn as sa
 
-from . import _jit, nvrtc, ops, routes
+from . import _jit, nvrtc, ops, routes, toolchain
 from .manifest import contract
 
 
@@ -79,7 +79,7 @@ def _cuda_status() -> str:
         )
     lines = []
     try:
-        tk = nvrtc.toolkit()
+        tk = toolchain.toolkit()
         lines.append(
             f"NVRTC {tk.version[0]}.{tk.version[1]}, CUDA headers in {', '.join(tk.includes)}"
         )

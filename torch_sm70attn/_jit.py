@@ -1,6 +1,6 @@
 """JIT build of the torch binding (csrc/binding.cpp) with the host C++ compiler and ninja, keyed
 by a digest of the sources. No CUDA toolkit: the binding includes the CUDA headers of the pip
-packages (torch_sm70attn.nvrtc.toolkit) and links torch's libraries only; the kernels themselves
+packages (torch_sm70attn.toolchain) and links torch's libraries only; the kernels themselves
 are compiled by NVRTC at their first use (torch_sm70attn/nvrtc.py) into the same directory.
 
 The digest covers every file under csrc/, the compiler flags and the torch/CUDA versions. It
@@ -27,11 +27,17 @@ from pathlib import Path
 
 import torch
 
+from . import toolchain
+
 log = logging.getLogger("torch_sm70attn")
 
 # The C++ standard is torch's own choice (C++17 or later). SM70ATTN_HOST: the kernel headers
 # the binding includes (params, traits, plan) are read by a host compiler (params.h).
 CXX_FLAGS = ["-O3", "-DSM70ATTN_HOST"]
+# What each NVRTC program is compiled with, besides the architecture and include paths. The
+# line table (as the nvcc build had: profilers and compute-sanitizer name source lines) changes
+# no instruction.
+NVRTC_OPTIONS = ("-std=c++17", "-lineinfo", "-Xptxas=-v")
 
 
 def csrc_dir() -> Path:
@@ -59,8 +65,6 @@ def source_files() -> list[Path]:
 def source_digest() -> str:
     """Sources, flags (the binding's and NVRTC's) and torch's version: the kernels' cubins are
     kept per architecture and NVRTC version below the directory this names."""
-    from .nvrtc import NVRTC_OPTIONS
-
     h = hashlib.sha256()
     root = csrc_dir()
     for p in source_files():
@@ -179,14 +183,12 @@ def load():
     """
     from torch.utils import cpp_extension
 
-    from .nvrtc import toolkit
-
     if torch.version.cuda is None:
         raise RuntimeError(
             f"torch_sm70attn: this torch ({torch.__version__}) is a CPU-only build: the CUDA "
             "binding needs a CUDA build of torch (on a V100: torch==2.10.0 from PyPI)"
         )
-    tk = toolkit()
+    tk = toolchain.toolkit()
     digest = source_digest()
     name = module_name(digest)
     out = build_dir(digest)
