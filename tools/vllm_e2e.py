@@ -9,9 +9,11 @@ Steps:
   written into the checkpoint the way vLLM reads them (`model.layers.N.self_attn.k_scale` /
   `v_scale`, with a compressed-tensors quantization_config that quantizes the KV cache only);
 - tokens: 8 concurrent greedy requests of different prompt lengths (this package's own source)
-  through `--attention-backend CUSTOM --kv-cache-dtype fp8_e4m3` and through vLLM's own
-  TRITON_ATTN with the same cache dtype and scales (it dequantizes to float16, as we do): the
-  tokens of each request up to the first difference, and float16's top-2 logprob gap there;
+  through `--attention-backend CUSTOM --kv-cache-dtype fp8_e4m3`, against vLLM's own TRITON_ATTN
+  with the same cache dtype and scales (which also quantizes the query to fp8 on a GPU), against
+  this package's transformers adapter over the same scales (the same stored values), and (in the
+  bench step) against FLASH_ATTN with a float16 and an fp8 cache: per request the tokens equal
+  before the first difference, and the reference's top-2 logprob gap there (a near tie if small);
 - spec: the same requests with n-gram speculative decoding (7 drafts), through our verify path:
   tokens against plain decoding, acceptance from the server's /metrics;
 - bench: `vllm bench serve` (random 32000-token prompts, 128 new tokens, ignore-eos) at each
@@ -219,9 +221,50 @@ def metrics() -> dict:
     got = {}
     for line in _get("/metrics").splitlines():
         m = re.match(r"^(vllm:spec_decode_num_\w+?)(?:_total)?(?:\{[^}]*\})? ([0-9.e+]+)$", line)
-        if m and "per_pos" not in m[1]:
+        if m and "per_pos" not in m[1] and not m[1].endswith("_created"):
             got[m[1]] = got.get(m[1], 0.0) + float(m[2])
     return got
+
+
+def transformers_tokens(model: Path, ids: list[list[int]], new: int, device="cuda") -> list[dict]:
+    """The same greedy requests through this package's transformers adapter (eager, a batch
+    left padded) over the checkpoint's scales: the same stored values as vLLM's CUSTOM run."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from torch_sm70attn.integrations import transformers as hf
+
+    hf.register()
+    m = AutoModelForCausalLM.from_pretrained(
+        model, dtype=torch.float16, attn_implementation="sm70attn", local_files_only=True
+    ).to(device)
+    ks, vs = hf.kv_scales_from_checkpoint(model)
+    longest = max(len(x) for x in ids)
+    batch = torch.zeros(len(ids), longest, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for i, x in enumerate(ids):
+        batch[i, longest - len(x) :] = torch.tensor(x)
+        mask[i, longest - len(x) :] = 1
+    cache = hf.PagedE4M3Cache(
+        m.config, max_tokens=len(ids) * (longest + new + 16), max_batch_size=len(ids),
+        k_scale=ks, v_scale=vs, reserve=new,
+    )  # fmt: skip
+    batch, mask = batch.to(device), mask.to(device)
+    pos, toks, top = hf.positions(mask), [], []
+    with torch.no_grad():  # greedy, eos or not (as vLLM's ignore_eos)
+        out = m(batch, attention_mask=mask, position_ids=pos, cache=cache, logits_to_keep=1)
+        for _ in range(new):
+            lp = out.logits[:, -1].float().log_softmax(-1)
+            top.append(lp.topk(2, dim=-1).values)
+            toks.append(lp.argmax(-1))
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            pos = pos[:, -1:] + 1
+            out = m(toks[-1][:, None], attention_mask=mask, position_ids=pos, cache=cache)
+    top, toks = torch.stack(top, 1).tolist(), torch.stack(toks, 1).tolist()
+    del m
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return [{"tokens": t, "top2": top[i]} for i, t in enumerate(toks)]
 
 
 # --- the benchmark -------------------------------------------------------------------------------
@@ -234,7 +277,8 @@ def bench(out: Path, model: Path, name: str, concurrency: list[int], new: int) -
             "--backend", "vllm", "--base-url", f"http://127.0.0.1:{PORT}", "--model", str(model),
             "--dataset-name", "random", "--random-input-len", str(MAX_LEN - new - 640),
             "--random-output-len", str(new), "--num-prompts", str(max(2 * c, 4)),
-            "--max-concurrency", str(c), "--ignore-eos", "--seed", "0", "--save-result",
+            "--max-concurrency", str(c), "--ignore-eos", "--temperature", "0", "--seed", "0",
+            "--save-result",
             "--result-dir", str(out), "--result-filename", f,
         ]  # fmt: skip
         log(f"bench {name} C{c}")
@@ -268,6 +312,9 @@ def main() -> int:
     def save():
         result_file.write_text(json.dumps(res, indent=1))
 
+    ours = None
+    if "custom" in res.get("tokens", {}):  # an earlier call's run of the same requests
+        ours = [{"tokens": t} for t in res["tokens"]["custom"]]
     if "tokens" in steps or "spec" in steps:
         with server(a.out, "custom", model, "CUSTOM", "fp8_e4m3") as logf:
             ours = complete(model, ids, a.new)
@@ -276,6 +323,9 @@ def main() -> int:
             ref = complete(model, ids, a.new)
         res["tokens"] = {"lengths": a.lengths, "new": a.new, "vs_triton": compare(ours, ref)}
         log(f"tokens vs TRITON_ATTN fp8: {res['tokens']['vs_triton']}")
+        res["tokens"]["vs_transformers"] = compare(ours, transformers_tokens(model, ids, a.new))
+        log(f"tokens vs the transformers adapter: {res['tokens']['vs_transformers']}")
+        res["tokens"]["custom"] = [r["tokens"] for r in ours]
         save()
     if "spec" in steps:
         with server(a.out, "custom-spec", model, "CUSTOM", "fp8_e4m3", SPEC) as logf:
@@ -291,7 +341,11 @@ def main() -> int:
             ("flash-fp16", "FLASH_ATTN", "auto"),
             ("flash-fp8", "FLASH_ATTN", "fp8_e4m3"),
         ):
-            with server(a.out, name, model, backend, kv):
+            with server(a.out, name, model, backend, kv) as logf:
+                if name != "custom-fp8" and ours is not None:
+                    res["tokens"][f"vs_{name}"] = compare(ours, complete(model, ids, a.new))
+                    log(f"tokens vs {name}: {res['tokens'][f'vs_{name}']}")
+                res[f"{name}_graphs"] = graphs(logf)
                 rows += bench(a.out, model, name, a.concurrency, a.bench_new)
             res["bench"] = rows
             save()
