@@ -152,14 +152,14 @@ def test_crop_and_reset(model):
         model(prompt(), cache=cache)
     assert cache.get_seq_length() == 30 and cache.get_mask_sizes(4, 0) == (4, 0)
     cache.crop(-5)
-    assert cache.get_seq_length() == 25 and cache._lens.tolist() == [25]
+    assert cache.get_seq_length() == 25 and cache.lens.tolist() == [25]
     with pytest.raises(ValueError, match="minus the number"):
         cache.crop(3)
     with pytest.raises(ValueError, match="call cache.reset"):
         with torch.no_grad():
             model(torch.cat([prompt(), prompt()]), cache=cache)
     cache.reset()
-    assert cache.get_seq_length() == 0 and cache._lens.tolist() == [0]
+    assert cache.get_seq_length() == 0 and cache.lens.tolist() == [0]
     # after a reset the same cache serves a new prompt as a new cache would
     with torch.no_grad():
         got = model(prompt(seed=2), cache=cache).logits
@@ -254,21 +254,25 @@ def test_cache_pages_slots_and_stored_values():
         return kv, got
 
     (k, _), got = step(20)  # a prompt of 20 tokens: 6 pages, 3 per request, 2 of them in use
-    kc, vc, table, lens, ks, vs, pages, fresh, valid = got[1]
-    assert fresh and pages == 2 and lens.tolist() == [20, 20]
-    assert table.tolist() == [[0, 1, 2], [3, 4, 5]]
-    assert ks.tolist() == [0.5, 0.5] and vs.shape == (2,)  # v calibrated per KV head
+    layer, plan = got[1]
+    assert plan.fresh and plan.pages == 2 and plan.lens.tolist() == [20, 20]
+    assert plan.table.tolist() == [[0, 1, 2], [3, 4, 5]] and plan.rows == 20
+    assert plan.slots.view(2, 20)[1, 19] == 4 * 16 + 3 and got[0][1] is plan  # layer 0's plan
+    assert layer.k_scale.tolist() == [0.5, 0.5] and layer.v_scale.shape == (2,)  # v calibrated
     want = (k[1, :, 19].float() / 0.5).to(FP8)  # request 1, position 19: page 4, offset 3
-    assert torch.equal(kc[4, 3].view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(layer.keys[4, 3].view(torch.uint8), want.view(torch.uint8))
+    assert cache.plan is None  # the forward is over
     (k, _), got = step(4)  # 4 more: positions 20..23, same pages
-    assert not got[0][7] and got[0][3].tolist() == [24, 24] and cache.get_seq_length() == 24
+    plan = got[0][1]
+    assert not plan.fresh and plan.lens.tolist() == [24, 24] and cache.get_seq_length() == 24
     cache.crop(-3)  # reject 3: the next token is position 21, in the slot of a rejected one
     (k, _), got = step(1)
-    assert got[0][3].tolist() == [22, 22]
+    assert got[0][1].lens.tolist() == [22, 22]
     want = (k[0, :, 0].float() / 0.5).to(FP8)
     assert torch.equal(cache.layers[0].keys[1, 5].view(torch.uint8), want.view(torch.uint8))
     _, got = step(11)  # 33 tokens: the 3rd page of each request
-    assert got[0][6] is None and got[0][3].tolist() == [33, 33]  # pages: the prefill route's
+    plan = got[0][1]
+    assert plan.pages is None and plan.lens.tolist() == [33, 33]  # pages: the prefill route's
     with pytest.raises(RuntimeError, match="use max_tokens >= 128; nothing was stored"):
         step(17)  # a prefill of 17 rows: 50 > 48 tokens per request, refused before storing
     assert cache.get_seq_length() == 33  # the refused step changed nothing
@@ -326,7 +330,7 @@ def test_compiled_decode_and_verify_steps_have_no_graph_break(model):
 def test_whole_model_compiled_prompt_traces_whole_and_keeps_its_prefill_quietly(model, caplog):
     """torch.compile(model, backend="sm70attn") over the whole model, the prompt compiled too
     (fullgraph: a graph break is an error). Given scales are checked when the cache is made, so
-    the first forward reads no scale data (it broke the graph in `_as_scale`); the prompt's SDPA
+    the first forward reads no scale data (it broke the graph in `paging.device_scale`); the prompt's SDPA
     over the dequantized pages (the attention's prefill route: more rows than the kernels
     take) is kept by the pass without a refusal warning (it warned "query is torch.float32, not float16" on a CPU). The
     prompt's and the decode steps' logits equal eager's."""

@@ -117,19 +117,19 @@ def test_padding_is_not_stored_and_pad_rows_are_zero(model):
     AttentionInterface.register("spy", spy)
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionMaskInterface.register("spy", hf._mask)
+    AttentionMaskInterface.register("spy", hf.mask_function)
     model.set_attn_implementation("spy")
     try:
         with torch.no_grad():
             logits = model(ids, attention_mask=mask, cache=c).logits
     finally:
         model.set_attn_implementation(hf.NAME)
-    assert c._lens.tolist() == [3, 20]  # real tokens only
+    assert c.lens.tolist() == [3, 20]  # real tokens only
     assert torch.isfinite(logits).all()
     for out in seen:  # request 0's 17 rows of padding see nothing: zeros, not NaN
         assert torch.isfinite(out).all() and not out[0, :17].any() and out[0, 17:].any()
     # the pad rows' slots were -1: request 0's pages hold its 3 tokens and zeros after
-    page0 = c.layers[0].keys[c._table[0, 0]].view(torch.uint8)
+    page0 = c.layers[0].keys[c.table[0, 0]].view(torch.uint8)
     assert page0[:3].any() and not page0[3:].any()
 
 
@@ -139,7 +139,7 @@ def test_per_request_crop_is_one_device_op(model):
     with torch.no_grad():
         model(ids, attention_mask=mask, cache=c)
     c.crop(torch.tensor([-2, 0]))
-    assert c._lens.tolist() == [8, 30]
+    assert c.lens.tolist() == [8, 30]
     with pytest.raises(ValueError, match="minus the number"):
         c.crop(torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="counts for 2 requests"):
@@ -177,7 +177,7 @@ def test_speculative_refuses_a_budget_before_the_prompt(model):
     c = hf.PagedE4M3Cache(model.config, max_tokens=2 * 64, max_batch_size=2)
     with pytest.raises(RuntimeError, match=r"needs 40 tokens \+ reserve 37.*max_tokens >= 160"):
         speculative.generate(model, ids, mask, cache=c, max_new_tokens=30, drafts=7)
-    assert c._lens.tolist() == [0, 0]  # nothing stored
+    assert c.lens.tolist() == [0, 0]  # nothing stored
 
 
 def test_prompt_lookup_drafts():
@@ -344,7 +344,7 @@ def test_reserve_is_checked_before_the_prompt(model):
     with pytest.raises(RuntimeError, match=r"needs 30 tokens \+ reserve 20.*max_tokens >= 128"):
         with torch.no_grad():
             model(ids, attention_mask=mask, cache=c)
-    assert c._lens.tolist() == [0, 0]
+    assert c.lens.tolist() == [0, 0]
 
 
 def test_a_compiled_step_past_the_budget_raises_at_the_next_host_read(model):
@@ -410,7 +410,7 @@ def test_speculative_budget_holds_when_requests_finish_apart(model):
     c = hf.PagedE4M3Cache(model.config, max_tokens=2 * 64, max_batch_size=2, k_scale=KS, v_scale=VS)
     out = speculative.generate(model, ids, mask, cache=c, max_new_tokens=16, drafts=7)
     assert [len(t) for t in out.tokens] == [16, 16]
-    assert int(c._lens.max()) <= 41 + 16 - 1 and not c._full.any()
+    assert int(c.lens.max()) <= 41 + 16 - 1 and not c.full.any()
 
 
 def test_short_prompts_are_checked_too(model):
@@ -507,9 +507,9 @@ def test_serve_compiled_verify_steps_one_graph(model):
     fwd = torch.compile(model, backend=backend, fullgraph=True)
     c = cache(model, 2)
     got = speculative.serve(model, prompts, cache=c, max_new_tokens=12, drafts=3, forward=fwd)
-    table, lens = c._table, c._lens
+    table, lens = c.table, c.lens
     again = speculative.serve(model, prompts, cache=c, max_new_tokens=12, drafts=3, forward=fwd)
-    assert c._table is table and c._lens is lens
+    assert c.table is table and c.lens is lens
     for out in (got, again):
         assert [t.tolist() for t in out.tokens] == [t.tolist() for t in want.tokens]
     assert len(graphs) == 1, graphs  # requests came and went: one verify graph
@@ -562,19 +562,19 @@ def test_a_prompt_through_request_b_touches_request_b_only(model):
         for slot, p in ((0, a), (2, c_)):
             model(p[None], cache=c.request(slot), position_ids=torch.arange(p.numel())[None])
         keys = [layer.keys.clone() for layer in c.layers]
-        lens = c._lens.clone()
+        lens = c.lens.clone()
         got = model(b_[None], cache=c.request(1), position_ids=torch.arange(b_.numel())[None])
         want = model(b_[None], cache=cache(model), position_ids=torch.arange(b_.numel())[None])
     assert torch.equal(got.logits, want.logits)
-    assert c._lens.tolist() == [lens[0], b_.numel(), lens[2]]
-    W = c._table.shape[1] * c.page_size  # request 1 owns pages W .. 2W - 1 (as tokens)
+    assert c.lens.tolist() == [lens[0], b_.numel(), lens[2]]
+    W = c.table.shape[1] * c.page_size  # request 1 owns pages W .. 2W - 1 (as tokens)
     for layer, before in zip(c.layers, keys, strict=True):
         flat, old = layer.keys.flatten(0, 1), before.flatten(0, 1)
         assert torch.equal(flat[:W].view(torch.uint8), old[:W].view(torch.uint8))
         assert torch.equal(flat[2 * W :].view(torch.uint8), old[2 * W :].view(torch.uint8))
         assert not torch.equal(flat[W : 2 * W].view(torch.uint8), old[W : 2 * W].view(torch.uint8))
     c.release(1)
-    assert c._lens.tolist() == [lens[0], 0, lens[2]]
+    assert c.lens.tolist() == [lens[0], 0, lens[2]]
 
 
 def test_request_views_refuse_what_they_cannot_serve(model):
@@ -589,13 +589,13 @@ def test_request_views_refuse_what_they_cannot_serve(model):
     long = requests((120,), seed=8)[0]
     with pytest.raises(RuntimeError, match=r"request 1 needs 120 tokens \+ reserve 18.*>= 288"):
         speculative.serve(model, [long[:20], long], cache=c, max_new_tokens=10, drafts=8)
-    assert c._lens.tolist() == [0, 0]  # refused before any forward: request 0 did not run
+    assert c.lens.tolist() == [0, 0]  # refused before any forward: request 0 did not run
     with pytest.raises(ValueError, match=r"prompt 1 holds no tokens"):
         speculative.serve(model, [long, long[:0]], cache=c, max_new_tokens=10)
     with pytest.raises(TypeError, match="a list of 1-D integer tensors.*not a 1-D tensor"):
         speculative.serve(model, long, cache=c, max_new_tokens=10)
     one = speculative.serve(model, [long[:20]], cache=c, max_new_tokens=4)  # a free slot too
-    assert c._table.shape == (2, 128 // c.page_size) and one.tokens[0].numel() == 4
+    assert c.table.shape == (2, 128 // c.page_size) and one.tokens[0].numel() == 4
 
 
 def test_serve_and_generate_refuse_what_is_not_a_request_before_any_forward(model):
@@ -620,7 +620,7 @@ def test_serve_and_generate_refuse_what_is_not_a_request_before_any_forward(mode
     for err, match, prompts in bad:
         with pytest.raises(err, match=match):
             speculative.serve(model, prompts, cache=c, max_new_tokens=4)
-    assert c._lens is None  # nothing ran
+    assert c.lens is None  # nothing ran
     torch.manual_seed(1)
     other = AutoModelForCausalLM.from_config(
         tiny(vocab=300, hidden=128, heads=4, head_dim=64), attn_implementation=hf.NAME,
@@ -630,7 +630,7 @@ def test_serve_and_generate_refuse_what_is_not_a_request_before_any_forward(mode
         with pytest.raises(ValueError, match="assistant's vocab_size is 300, the model's 256"):
             fn(model, args, cache=c, max_new_tokens=4, assistant=other,
                assistant_cache=cache(other, 2))  # fmt: skip
-    assert c._lens is None
+    assert c.lens is None
 
 
 @pytest.mark.parametrize("chunk", [None, 8])

@@ -44,13 +44,23 @@ def fp8_gather_attention(module, query, key, value, attention_mask, scaling=None
     pages, dequantize, SDPA with the verifier mask (the integration's prefill route without
     its fresh-prompt shortcut), compiled by inductor with dynamic shapes."""
     cache, layer = kwargs[hf.NAME]
-    kc, vc, table, lens, ks, vs, *_ = cache.store(layer, key, value, attention_mask)
-    return _gather_sdpa(query, kc, vc, table, lens, scaling, ks, vs).transpose(1, 2), None
+    layer, plan = cache.store(layer, key, value, attention_mask)
+    out = _gather_sdpa(
+        query,
+        layer.keys,
+        layer.values,
+        plan.table,
+        plan.lens,
+        scaling,
+        layer.k_scale,
+        layer.v_scale,
+    )
+    return out.transpose(1, 2), None
 
 
 def register_gather() -> str:
     AttentionInterface.register("fp8_gather", fp8_gather_attention)
-    AttentionMaskInterface.register("fp8_gather", hf._mask)
+    AttentionMaskInterface.register("fp8_gather", hf.mask_function)
     return "fp8_gather"
 
 

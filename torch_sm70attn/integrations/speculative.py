@@ -88,39 +88,28 @@ def generate(
     B, dev = input_ids.shape[0], input_ids.device
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(dev)
     logits = _prompt(model, input_ids, cache, max_new_tokens + drafts, mask)
+    drafter = None  # the assistant's (forward, cache); None: prompt lookup
     if assistant is not None:
         if assistant_cache is None:
             raise ValueError("speculative.generate: an assistant needs its own assistant_cache")
         _prompt(assistant, input_ids, assistant_cache, max_new_tokens + drafts, mask)
-        assistant_forward = assistant if assistant_forward is None else assistant_forward
+        drafter = (assistant if assistant_forward is None else assistant_forward, assistant_cache)
     last = logits[:, -1].argmax(-1).cpu()
     times, emitted = [time.perf_counter()], [[1] * B]
     history = [input_ids[b][mask[b].bool()].cpu() for b in range(B)]
     out = [[int(last[b])] for b in range(B)]
     length = mask.sum(1).cpu()  # tokens in the cache per request
     done = [max_new_tokens <= 1 or out[b][0] in eos for b in range(B)]
+    decoding = _Decoding(forward, cache, drafts, max_new_tokens, eos, max_ngram, dev, drafter)
     steps, accepted = 0, []
     while not all(done):
-        if assistant is None:
-            running = [None if d else o for d, o in zip(done, out, strict=True)]
-            ids_d = _lookup(running, history, drafts, max_ngram).to(dev)
-        else:
-            last = torch.tensor([o[-1] for o in out])[:, None].to(dev)
-            ids_d = _draft(assistant_forward, assistant_cache, last, length, drafts)
-        # each request still needs max_new_tokens - len(out): a finished one keeps nothing
-        need = [0 if d else max_new_tokens - len(o) for d, o in zip(done, out, strict=True)]
-        g, keep, match = _verify(forward, cache, ids_d, length, need)
-        if assistant is not None:
-            assistant_cache.crop((keep - (drafts + 1)).int().to(dev))
-            assistant_cache.check()
+        running = [None if d else o for d, o in zip(done, out, strict=True)]
+        k, finished, mean = decoding.round(running, history, length)
         steps += 1
         times.append(time.perf_counter())
-        accepted.append(float(match[~torch.tensor(done)].float().mean()))
-        emitted.append([0] * B)
-        for b in range(B):
-            if not done[b]:
-                length[b] += int(keep[b])
-                emitted[-1][b], done[b] = _emit(out[b], g[b, : int(keep[b])], max_new_tokens, eos)
+        accepted.append(mean)
+        emitted.append(k)
+        done = [d or f for d, f in zip(done, finished, strict=True)]
     tokens = [torch.tensor(o[:max_new_tokens]) for o in out]
     return Output(tokens, steps, accepted, emitted, times)
 
@@ -169,27 +158,28 @@ def serve(
         raise ValueError("speculative.serve: prefill_chunk >= 1 tokens (or None: whole prompts)")
     eos = set() if eos_token_id is None else set(torch.tensor(eos_token_id).reshape(-1).tolist())
     forward = model if forward is None else forward
-    n, dev, S = len(prompts), model.device, cache._max_batch
-    caches = [cache]
+    n, dev, S = len(prompts), model.device, cache.max_batch_size
+    caches, drafter = [cache], None  # drafter: the assistant's (forward, cache)
     if assistant is not None:
-        if assistant_cache is None or assistant_cache._max_batch != S:
+        if assistant_cache is None or assistant_cache.max_batch_size != S:
             raise ValueError(
                 f"speculative.serve: an assistant needs its own assistant_cache of {S} slots "
                 "(max_batch_size), as many as the cache's"
             )
         caches.append(assistant_cache)
-        assistant_forward = assistant if assistant_forward is None else assistant_forward
+        drafter = (assistant if assistant_forward is None else assistant_forward, assistant_cache)
     for c in caches:
         c.reset()
         c.start(S, dev)  # the same table as the last call's: a compiled step's graph replays
         # every request within its slot's pages, before any forward
         for i, p in enumerate(prompts):
             if p.numel() + max_new_tokens + drafts > c.limit():
-                raise c._over_budget(p.numel(), max_new_tokens + drafts, who=f"request {i}")
+                raise c.over_budget_error(p.numel(), max_new_tokens + drafts, who=f"request {i}")
     for c, m in zip(caches, (model, assistant)[: len(caches)], strict=True):
-        if prefill_chunk is not None and n and c._uncalibrated():  # the first prompt, whole
+        if prefill_chunk is not None and n and c.uncalibrated():  # the first prompt, whole
             c.calibrate(m, prompts[0].reshape(1, -1).to(dev))
             c.start(S, dev)
+    decoding = _Decoding(forward, cache, drafts, max_new_tokens, eos, max_ngram, dev, drafter)
     queue = list(range(n))[::-1]  # requests not started, next last
     slot: list[int | None] = [None] * S  # the request in each slot
     filled = [0] * S  # prompt tokens stored: running once the whole prompt is
@@ -222,32 +212,66 @@ def serve(
                     history[s] = prompts[i].reshape(-1).cpu()
                     break
                 slot[s] = None  # done at its first token: the slot takes the next request
-        running = [i is not None and filled[s] == prompts[i].numel() for s, i in enumerate(slot)]
-        if any(running):
-            last = [out[i] if r else None for i, r in zip(slot, running, strict=True)]
-            if assistant is None:
-                ids_d = _lookup(last, history, drafts, max_ngram).to(dev)
-            else:
-                first = torch.tensor([o[-1] if o else 0 for o in last])[:, None].to(dev)
-                ids_d = _draft(assistant_forward, assistant_cache, first, length, drafts)
-            need = [
-                max_new_tokens - len(out[i]) if r else 0 for i, r in zip(slot, running, strict=True)
-            ]
-            g, keep, match = _verify(forward, cache, ids_d, length, need)
-            if assistant is not None:
-                assistant_cache.crop((keep - (drafts + 1)).int().to(dev))
-                assistant_cache.check()
+        running = [
+            out[i] if i is not None and filled[s] == prompts[i].numel() else None
+            for s, i in enumerate(slot)
+        ]
+        if any(o is not None for o in running):
+            k, finished, mean = decoding.round(running, history, length)
             steps += 1
-            accepted.append(float(match[torch.tensor(running)].float().mean()))
+            accepted.append(mean)
             for s, i in enumerate(slot):
-                if running[s]:
-                    length[s] += int(keep[s])
-                    k, done = _emit(out[i], g[s, : int(keep[s])], max_new_tokens, eos)
-                    emitted[-1][i] += k
-                    if done:
+                if running[s] is not None:
+                    emitted[-1][i] += k[s]
+                    if finished[s]:
                         slot[s] = None
         times.append(time.perf_counter())
     return Output([torch.tensor(o) for o in out], steps, accepted, emitted, times)
+
+
+@dataclasses.dataclass
+class _Decoding:
+    """The decoding round generate and serve both run (`round`), and what it runs with: the
+    verify forward and its cache, the drafts (prompt lookup, or an assistant's forward and
+    cache), when a request stops."""
+
+    forward: object
+    cache: object
+    drafts: int
+    max_new_tokens: int
+    eos: set
+    max_ngram: int
+    device: torch.device
+    drafter: tuple | None  # the assistant's (forward, cache); None: prompt lookup
+
+    def round(self, running, history, length):
+        """One round over the rows of the cache's batch. running[b]: the tokens emitted so far
+        by the request in row b (appended to here), or None (finished, or a free or joining
+        slot: its rows keep nothing); history[b]: its prompt (CPU); length: CPU [B] tokens in
+        the cache per row, advanced here. Drafts for each row, one verify forward, each row's
+        accepted drafts kept (the assistant's cache cropped as the model's). Returns the
+        tokens each row emitted, whether its request finished (max_new_tokens or eos), and the
+        mean accepted drafts over the running rows."""
+        if self.drafter is None:
+            ids_d = _lookup(running, history, self.drafts, self.max_ngram).to(self.device)
+        else:
+            last = torch.tensor([o[-1] if o else 0 for o in running])[:, None].to(self.device)
+            ids_d = _draft(*self.drafter, last, length, self.drafts)
+        # each request still needs max_new_tokens - len(out): one not running keeps nothing
+        need = [0 if o is None else self.max_new_tokens - len(o) for o in running]
+        g, keep, match = _verify(self.forward, self.cache, ids_d, length, need)
+        if self.drafter is not None:
+            self.drafter[1].crop((keep - (self.drafts + 1)).int().to(self.device))
+            self.drafter[1].check()
+        mean = float(match[torch.tensor([o is not None for o in running])].float().mean())
+        emitted, finished = [0] * len(running), [False] * len(running)
+        for b, o in enumerate(running):
+            if o is not None:
+                length[b] += int(keep[b])
+                emitted[b], finished[b] = _emit(
+                    o, g[b, : int(keep[b])], self.max_new_tokens, self.eos
+                )
+        return emitted, finished, mean
 
 
 def _vocab(model) -> int | None:

@@ -42,11 +42,12 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import torch_sm70attn as sa
 from torch_sm70attn import paging
-from torch_sm70attn.manifest import admitted_capacity, contract
+from torch_sm70attn.manifest import contract
+from torch_sm70attn.paging import SlotTable, StepPlan, static_address
 
 NAME = "sm70attn"  # no "flash" in it: transformers would look for a flash-attention package
 FP8 = torch.float8_e4m3fn
-E4M3_MAX, MAX_ROWS = paging.E4M3_MAX, paging.MAX_ROWS
+MAX_ROWS = paging.MAX_ROWS  # more query rows take the prefill route
 HEADROOM = 2.0  # calibrated scale = amax / 448 * HEADROOM: later tokens may be larger
 _warned: set[str] = set()
 
@@ -54,7 +55,7 @@ _warned: set[str] = set()
 def register(name: str = NAME) -> str:
     """Register the attention and its mask function under `name` (idempotent)."""
     AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, _mask)
+    AttentionMaskInterface.register(name, mask_function)
     return name
 
 
@@ -120,46 +121,6 @@ def kv_scales_from_checkpoint(
     return [found[(i, "k")] for i in range(n)], [found[(i, "v")] for i in range(n)]
 
 
-def _per_layer(given, layers: int, what: str) -> list:
-    """None or one scale (a float, or a tensor of 1 or H_kv values) for every layer, or a list
-    or tuple of one such per layer; each checked here, on the host, once (the first forward,
-    which may be compiled, only shapes them: `_as_scale`)."""
-    if isinstance(given, (list, tuple)):
-        if len(given) != layers:
-            raise ValueError(
-                f"PagedE4M3Cache: {what} is a list of {len(given)}; a list holds one scale per "
-                f"layer ({layers}); give one scale for every layer as a float or a tensor of "
-                "1 or H_kv values"
-            )
-        out = list(given)
-    else:
-        out = [given] * layers
-    for s in out:
-        if s is not None:
-            v = torch.as_tensor(s, dtype=torch.float32).reshape(-1).cpu()
-            if not bool((v > 0).all() & v.isfinite().all()):
-                raise ValueError(f"PagedE4M3Cache: {what} must be finite and > 0, got {v.tolist()}")
-    return out
-
-
-def _as_scale(given, heads: int, device) -> torch.Tensor:
-    """A checked scale (`_per_layer`) as float32 [H_kv] on the device: no data is read, so a
-    compiled first forward traces it without a graph break."""
-    s = torch.as_tensor(given, dtype=torch.float32, device=device).reshape(-1)
-    if s.numel() not in (1, heads):
-        raise ValueError(f"PagedE4M3Cache: a scale must have 1 or H_kv={heads} values")
-    return s.expand(heads).contiguous()
-
-
-def _calibrated(x: torch.Tensor, valid, headroom: float) -> torch.Tensor:
-    """amax per KV head of x [B, H, Q, D] over the real tokens / 448, times headroom."""
-    a = x.detach().abs().float()
-    if valid is not None:
-        a = a * valid[:, None, :, None]
-    amax = a.amax(dim=(0, 2, 3))
-    return torch.where(amax > 0, amax / E4M3_MAX * headroom, 1.0).contiguous()
-
-
 def text_config(config):
     """The language model's config (a multimodal config's text part)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -171,18 +132,10 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _static(*tensors) -> None:
-    """Tell torch.compile these tensors keep their address (CUDA graphs read them in place).
-    Unguarded: a new cache of the same shapes reuses the compiled graph (CUDA graphs are
-    recorded again for its addresses)."""
-    if not torch.compiler.is_compiling():
-        for t in tensors:
-            torch._dynamo.mark_static_address(t, guard=False)
-
-
 # --- the cache ---------------------------------------------------------------------------------
 class _Layer(CacheLayerMixin):
-    """One layer's pools and scales; the table and lengths live in the PagedE4M3Cache."""
+    """One layer's pools and scales; the table and lengths are the PagedE4M3Cache's (its
+    slot_table)."""
 
     is_compileable = True
     is_croppable = True
@@ -200,14 +153,14 @@ class _Layer(CacheLayerMixin):
         shape = (c.num_pages, c.page_size, H, D)
         self.keys = torch.zeros(shape, dtype=FP8, device=key_states.device)
         self.values = torch.zeros(shape, dtype=FP8, device=key_states.device)
-        _static(self.keys, self.values)
+        static_address(self.keys, self.values)
         self.is_initialized = True
 
     def set_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """In place once they exist: a compiled graph keeps reading the same tensors."""
         if self.k_scale is None:
             self.k_scale, self.v_scale = k, v
-            _static(self.k_scale, self.v_scale)
+            static_address(self.k_scale, self.v_scale)
         else:
             self.k_scale.copy_(k)
             self.v_scale.copy_(v)
@@ -251,8 +204,10 @@ class PagedE4M3Cache(Cache):
     warn once with the fraction.
 
     State on the device: the block table (fixed once the batch is known), the lengths [B]
-    int32 and a per-request full flag; a decode or verify forward reads nothing from the host,
-    so a compiled step has no graph break and replays as a CUDA graph. A step past a request's
+    int32 and per-request flags (`slot_table`, a paging.SlotTable; read through `table`, `lens`
+    and `full`); each layer's pools and scales (`layers`); the saturation counts (`saturation`,
+    a paging.Saturation). A decode or verify forward reads nothing from the host, so a
+    compiled step has no graph break and replays as a CUDA graph. A step past a request's
     pages (eager or compiled) stores nothing out of bounds: the flag records it, and the next
     host check raises (`check()`, `get_seq_length()`, the next eager forward, or generate()'s
     mask call before each step, a step or two late since it does not wait for the GPU);
@@ -286,52 +241,87 @@ class PagedE4M3Cache(Cache):
         self.page_size, self._max_batch, self.reserve = page_size, max_batch_size, reserve
         self.num_pages = math.ceil(max_tokens / page_size)
         n = cfg.num_hidden_layers
-        ks, vs = _per_layer(k_scale, n, "k_scale"), _per_layer(v_scale, n, "v_scale")
+        ks = paging.per_layer_scales(k_scale, n, "PagedE4M3Cache: k_scale")
+        vs = paging.per_layer_scales(v_scale, n, "PagedE4M3Cache: v_scale")
         super().__init__(layers=[_Layer(self, ks[i], vs[i]) for i in range(n)])
         self._config = cfg  # for the attention implementation in error messages
-        self._table = self._lens = None  # device [B, pages] int32 and [B] int32
-        self._first = 0  # request(b) views: b
-        self._root = self  # request(b) views: the cache they view (its counters, its batch)
-        self._full = self._full_host = None  # device [B] bool: the request went past its pages
-        self._astray = None  # device [B] bool: a forward's tokens did not start at its length
-        self._step, self._empty = None, True  # the eager forward's slots; no forward since reset
-        self._offsets = {}  # Q -> device [B, Q] int64: slot of row r of request b, less its length
-        self._pending = None  # the layer whose attention has not read the cache yet
+        # the batch's table, lengths and flags on the device: made by its first forward or start()
+        self.slot_table: SlotTable | None = None
+        # the plan of the eager forward under way: made at its layer 0, read by its other layers
+        # (a compiled forward makes it in each layer: no tensor is kept on self while tracing)
+        self.plan: StepPlan | None = None
+        self.saturation = paging.Saturation()  # of prompt forwards (request(b) views' too)
+        self._root = self  # request(b) views: the cache they view (its batch, its stale state)
+        self._empty = True  # no forward since reset
+        self._unread = None  # the layer update() handed the cache to, until its attention reads it
         self._calibrate = None  # headroom while calibrate() runs
-        self.saturated = [0, 0]  # K and V values stored at +-448 by prompt forwards, of
-        self.counted = 0  # this many values each
-        self._warned, self._sat = False, []
         self._stale = None  # why the cache must be reset first (an error raised once said so)
+
+    # -- what it holds -----------------------------------------------------------------------------
+    @property
+    def max_batch_size(self) -> int:
+        """The largest batch (1 for a request(b) view)."""
+        return self._max_batch
+
+    @property
+    def table(self) -> torch.Tensor | None:
+        """The block table on the device, [B, W] int32 (request b's pages are table[b]); None
+        before the first forward or start()."""
+        return None if self.slot_table is None else self.slot_table.table
+
+    @property
+    def lens(self) -> torch.Tensor | None:
+        """Tokens held per request on the device, [B] int32; None before the first forward or
+        start()."""
+        return None if self.slot_table is None else self.slot_table.lens
+
+    @property
+    def full(self) -> torch.Tensor | None:
+        """Per request on the device, [B] bool: a step went past its pages since the last host
+        check; None before the first forward or start()."""
+        return None if self.slot_table is None else self.slot_table.full
+
+    @property
+    def saturated(self) -> list[int]:
+        """K and V values stored saturated at +-448 by prompt forwards, of `counted` each."""
+        return self.saturation.saturated
+
+    @property
+    def counted(self) -> int:
+        return self.saturation.counted
+
+    def uncalibrated(self) -> bool:
+        """Whether a layer's scales are still to be calibrated from the first tokens stored."""
+        return any(layer.k_scale is None and None in layer.given for layer in self.layers)
 
     # -- lengths ---------------------------------------------------------------------------------
     def reset(self):
         """Empty every request (the pools, scales, table and their addresses stay). Warns if a
         request went past its pages since the last check (its last tokens were not stored)."""
-        self._pending, self._step, self._empty = None, None, True
+        self._unread, self.plan, self._empty = None, None, True
         self._root._stale = None
-        self._sat.clear()
-        if self._lens is not None:
-            full = self._full.tolist()
+        st = self.slot_table
+        if st is not None:
+            full = st.full.tolist()
             if any(full):
                 warnings.warn(
                     f"PagedE4M3Cache.reset: request(s) "
-                    f"{[self._first + b for b, f in enumerate(full) if f]} "
+                    f"{[st.first + b for b, f in enumerate(full) if f]} "
                     f"had gone past their {self.limit()} tokens: the tokens past it were not "
                     "stored and the outputs after that point are wrong; raise max_tokens",
                     stacklevel=2,
                 )
-            self._lens.zero_()
-            self._clear_full()
+            st.reset()
 
     def get_seq_length(self, layer_idx: int = 0):
         """Tokens held by the longest request: an int (a device read); a 0-d tensor while
         torch.compile traces."""
-        if self._lens is None:
+        if self.slot_table is None:
             return 0
         if torch.compiler.is_compiling():
-            return self._lens.max()
+            return self.slot_table.lens.max()
         self.check()
-        return int(self._lens.max())
+        return int(self.slot_table.lens.max())
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0  # unused by the sm70attn mask; no device read per step
@@ -340,12 +330,13 @@ class PagedE4M3Cache(Cache):
         return self.num_pages * self.page_size
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """The mask function gets the new tokens' columns of the padding mask (see _mask).
-        transformers calls this on the host before every forward (generate()'s compiled steps
-        too), so the overflow flag is polled here."""
+        """The mask function gets the new tokens' columns of the padding mask (see
+        mask_function). transformers calls this on the host before every forward (generate()'s
+        compiled steps too), so the overflow flag is polled here."""
         if not torch.compiler.is_compiling():
             self._refuse_stale()
-        self._poll()
+            if self.slot_table is not None:
+                self._raise_flags(*self.slot_table.poll())
         return query_length, 0
 
     @property
@@ -354,7 +345,7 @@ class PagedE4M3Cache(Cache):
 
     def capacity(self) -> int:
         """Tokens each request's pages hold (0 before the first forward)."""
-        return 0 if self._table is None else self._table.shape[1] * self.page_size
+        return 0 if self.slot_table is None else self.slot_table.capacity
 
     def limit(self) -> int:
         """Tokens each request of the current batch may hold: its pages, within the kernels'
@@ -363,29 +354,8 @@ class PagedE4M3Cache(Cache):
 
     def check(self) -> None:
         """Raise if a step went past a request's pages (reads the device)."""
-        if self._full is not None and not torch.compiler.is_compiling():
-            self._raise_flags(self._full.tolist(), self._astray.tolist())
-
-    def _poll(self) -> None:
-        """Check the overflow flag without waiting for the GPU: read the copy made at the
-        previous poll (complete once the host has synchronized since, as generate() does every
-        step), then start the next copy."""
-        if self._full is None or torch.compiler.is_compiling():
-            return
-        if not self._full.is_cuda:
-            return self.check()
-        if self._full_host is None or self._full_host.shape[1:] != self._full.shape:
-            self._full_host = torch.zeros((2, *self._full.shape), dtype=torch.bool, pin_memory=True)
-        self._raise_flags(*self._full_host.tolist())
-        self._full_host[0].copy_(self._full, non_blocking=True)
-        self._full_host[1].copy_(self._astray, non_blocking=True)
-
-    def _clear_full(self) -> None:
-        self._full.zero_()
-        self._astray.zero_()
-        if self._full_host is not None:  # no copy of the old flag may land after this
-            torch.cuda.current_stream(self._full.device).synchronize()
-            self._full_host.zero_()
+        if self.slot_table is not None and not torch.compiler.is_compiling():
+            self._raise_flags(*self.slot_table.flags())
 
     def _refuse_stale(self) -> None:
         """A forward on a cache that an earlier error left unusable (a request past its pages,
@@ -397,11 +367,22 @@ class PagedE4M3Cache(Cache):
             )
 
     def _raise_flags(self, full: list[bool], astray: list[bool]) -> None:
-        self._raise_full(full)
+        st = self.slot_table
+        if any(full):
+            cap, B = self.limit(), self._root.slot_table.batch
+            self._root._stale = "a request went past its pages in an earlier forward"
+            st.clear_flags()
+            which = [st.first + b for b, f in enumerate(full) if f]
+            raise RuntimeError(
+                f"PagedE4M3Cache is full: request(s) {which} went past their {cap} tokens "
+                f"(max_tokens={self.num_pages * self.page_size} / batch of {B}); the tokens "
+                f"past it were not stored. Use max_tokens >= {B} x (prompt + max_new_tokens + "
+                "drafts), rounded up to pages (or reserve=), and cache.reset()"
+            )
         if any(astray):
             self._root._stale = "a forward's tokens did not start at their requests' lengths"
-            self._clear_full()
-            which = [self._first + b for b, f in enumerate(astray) if f]
+            st.clear_flags()
+            which = [st.first + b for b, f in enumerate(astray) if f]
             raise RuntimeError(
                 f"PagedE4M3Cache: a forward's tokens did not start at the length of request(s) "
                 f"{which}: they do not continue what the cache holds, and were stored after it "
@@ -411,57 +392,35 @@ class PagedE4M3Cache(Cache):
                 "cache.reset() first"
             )
 
-    def _raise_full(self, full: list[bool]) -> None:
-        if any(full):
-            cap, B = self.limit(), self._root._table.shape[0]
-            self._root._stale = "a request went past its pages in an earlier forward"
-            self._clear_full()
-            which = [self._first + b for b, f in enumerate(full) if f]
-            raise RuntimeError(
-                f"PagedE4M3Cache is full: request(s) {which} went past their {cap} tokens "
-                f"(max_tokens={self.num_pages * self.page_size} / batch of {B}); the tokens "
-                f"past it were not stored. Use max_tokens >= {B} x (prompt + max_new_tokens + "
-                "drafts), rounded up to pages (or reserve=), and cache.reset()"
-            )
-
     def crop(self, tokens_to_remove) -> None:
         """Remove the last tokens of each request (rejected drafts); the next tokens are
         written over them. tokens_to_remove: minus the count for every request (an int <= 0,
         transformers' convention), or an integer tensor [B] of minus the count per request."""
+        st = self.slot_table
         if torch.is_tensor(tokens_to_remove):
-            if self._lens is None:
+            if st is None:
                 raise ValueError("PagedE4M3Cache.crop: the cache holds no batch yet")
-            n = tokens_to_remove.to(device=self._lens.device, dtype=torch.int32)
-            if n.shape != self._lens.shape:
+            n = tokens_to_remove.to(device=st.device, dtype=torch.int32)
+            if n.shape != st.lens.shape:
                 raise ValueError(
-                    f"PagedE4M3Cache.crop: {tuple(n.shape)} counts for {self._lens.shape[0]} "
-                    "requests"
+                    f"PagedE4M3Cache.crop: {tuple(n.shape)} counts for {st.batch} requests"
                 )
             if not torch.compiler.is_compiling() and bool((n > 0).any()):
                 raise ValueError("crop takes minus the number of tokens to remove (<= 0)")
-            self._lens.add_(n).clamp_(min=0)
+            st.crop(-n)
             return
         if tokens_to_remove > 0:
             raise ValueError("crop takes minus the number of tokens to remove (transformers 5)")
-        if tokens_to_remove and self._lens is not None:
-            self._lens.sub_(-tokens_to_remove).clamp_(min=0)
+        if tokens_to_remove and st is not None:
+            st.crop(-tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: request i continues beam beam_idx[i]; its pages get a copy of that
         beam's pages in use (copies, since two beams may continue one), as DynamicCache's
         index_select copies the whole cache."""
-        if self._lens is None:
-            return
-        beam_idx = beam_idx.to(self._lens.device)
-        pages = -(-int(self._lens.max()) // self.page_size)
-        src, dst = self._table[beam_idx, :pages].long(), self._table[:, :pages].long()
-        for layer in self.layers:
-            if layer.is_initialized:
-                for pool in (layer.keys.view(torch.uint8), layer.values.view(torch.uint8)):
-                    pool[dst] = pool[src]
-        self._lens.copy_(self._lens[beam_idx])
-        self._full.copy_(self._full[beam_idx])
-        self._astray.copy_(self._astray[beam_idx])
+        if self.slot_table is not None:
+            pools = [p for l in self.layers if l.is_initialized for p in (l.keys, l.values)]
+            self.slot_table.reorder(beam_idx, pools)
 
     # -- one request of a running batch (continuous batching) ---------------------------------
     def request(self, b: int) -> PagedE4M3Cache:
@@ -471,21 +430,17 @@ class PagedE4M3Cache(Cache):
         a running batch in a free slot b: its prompt's forward, eager, with
         `cache=cache.request(b)` after `release(b)`; the other requests are not touched, and the
         batch's steps run on this cache as before (speculative.serve does this)."""
-        if self._lens is None:
+        if self.slot_table is None:
             raise ValueError(
                 "PagedE4M3Cache.request: the cache holds no batch yet: run the batch's first "
                 "forward, or start(batch, device)"
             )
-        B = self._lens.shape[0]
+        B = self.slot_table.batch
         if not 0 <= b < B:
             raise IndexError(f"PagedE4M3Cache.request: request {b} of a batch of {B}")
         view = copy.copy(self)
-        view._table, view._lens, view._full, view._astray = (
-            t[b : b + 1] for t in (self._table, self._lens, self._full, self._astray)
-        )
-        _static(view._table, view._lens, view._full, view._astray)
-        view._max_batch, view._first, view._full_host, view._offsets = 1, self._first + b, None, {}
-        view._pending, view._step, view._sat = None, None, []  # (its forwards are all checked)
+        view.slot_table, view._max_batch = self.slot_table.request(b), 1
+        view._unread, view.plan = None, None  # (its forwards are all checked)
         return view
 
     def release(self, b: int) -> None:
@@ -493,10 +448,6 @@ class PagedE4M3Cache(Cache):
         request); the others go on. Warns, as reset() does, if it had gone past its pages
         unread."""
         self.request(b).reset()
-
-    def _uncalibrated(self) -> bool:
-        """Whether a layer's scales are still to be calibrated from the first tokens stored."""
-        return any(layer.k_scale is None and None in layer.given for layer in self.layers)
 
     def start(self, batch: int, device) -> None:
         """Make the table of a batch of `batch` empty requests on `device` before any forward
@@ -506,8 +457,8 @@ class PagedE4M3Cache(Cache):
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        t = self._table
-        if t is not None and t.shape[0] == batch and t.device == device:
+        st = self.slot_table
+        if st is not None and st.batch == batch and st.device == device:
             if self.get_seq_length():
                 raise ValueError("PagedE4M3Cache.start: the cache holds requests: reset() first")
             return
@@ -553,39 +504,35 @@ class PagedE4M3Cache(Cache):
         """The table of a batch of B: request b owns pages b * W .. (b + 1) * W - 1."""
         if self._root is not self:
             raise ValueError(
-                f"PagedE4M3Cache.request({self._first}): a view takes one request on "
-                f"{self._table.device}, the forward has {B} on {device}"
+                f"PagedE4M3Cache.request({self.slot_table.first}): a view takes one request on "
+                f"{self.slot_table.device}, the forward has {B} on {device}"
             )
         if B > self._max_batch:
             raise ValueError(f"PagedE4M3Cache: batch {B} > max_batch_size {self._max_batch}")
         # a compiled first forward cannot check (a data-dependent branch): reset() first
-        if self._lens is not None and not torch.compiler.is_compiling() and self.get_seq_length():
+        st = self.slot_table
+        if st is not None and not torch.compiler.is_compiling() and self.get_seq_length():
             raise ValueError(
-                f"PagedE4M3Cache holds {self._lens.shape[0]} requests, the forward has {B}: "
+                f"PagedE4M3Cache holds {st.batch} requests, the forward has {B}: "
                 "call cache.reset() before a new batch"
             )
-        # at most the capacity the kernels admit: every decode and verify step passes the whole table
-        W = min(self.num_pages // B, admitted_capacity(self.page_size) // self.page_size)
+        W = SlotTable.width(self.num_pages, B, self.page_size)
         if W < 1:
             raise ValueError(
                 f"PagedE4M3Cache: {self.num_pages} pages for a batch of {B}: raise max_tokens"
             )
-        self._table = torch.arange(B * W, dtype=torch.int32, device=device).view(B, W)
-        self._lens = torch.zeros(B, dtype=torch.int32, device=device)
-        self._full = torch.zeros(B, dtype=torch.bool, device=device)
-        self._astray = torch.zeros(B, dtype=torch.bool, device=device)
-        self._full_host, self._offsets, self._pending, self._step = None, {}, None, None
-        _static(self._table, self._lens, self._full, self._astray)
+        self.slot_table = SlotTable(B, W, self.page_size, device)
+        self._unread, self.plan = None, None
 
-    def _prompt_checks(self, Q: int, valid) -> tuple[int, bool]:
+    def _prompt_checks(self, Q: int, valid) -> tuple[int, bool, int]:
         """An eager forward of more than MAX_ROWS rows (a prompt, a prefill chunk): one device
         read, then refuse what would not fit or is not left padding before anything is stored.
-        Returns (pages in use after the step, fresh: every request holds just these tokens)."""
+        Returns (pages in use after the step, fresh: every request holds just these tokens,
+        the real tokens of the step)."""
         self.check()
-        lens = self._lens.tolist()
+        lens = self.slot_table.lens.tolist()
         if valid is None:
             n = [Q] * len(lens)
-            self._real = Q * len(lens)
         else:
             if bool((valid[:, 1:] < valid[:, :-1]).any()):
                 raise ValueError(
@@ -595,19 +542,20 @@ class PagedE4M3Cache(Cache):
                     "attention_mask=torch.ones_like(ids)"
                 )
             n = valid.sum(1).tolist()
-        self._real = sum(n)  # real tokens of this forward (_count)
         need = [a + b for a, b in zip(lens, n, strict=True)]
         fresh = not any(lens) and all(k == Q for k in n)
         reserve = self.reserve if not any(lens) else 0
         if max(need) + reserve > self.limit():
-            raise self._over_budget(max(need), reserve)
-        return -(-max(need) // self.page_size), fresh
+            raise self.over_budget_error(max(need), reserve)
+        return -(-max(need) // self.page_size), fresh, sum(n)
 
-    def _over_budget(self, need: int, reserve: int = 0, who: str = "a request") -> RuntimeError:
+    def over_budget_error(
+        self, need: int, reserve: int = 0, who: str = "a request"
+    ) -> RuntimeError:
         """The error for a request of `need` tokens plus `reserve` that its pages (limit())
         cannot hold, with the max_tokens that would (or the kernels' contract)."""
         cap, ps, want = self.limit(), self.page_size, need + reserve
-        B = self._root._table.shape[0]  # (a request(b) view: its batch's)
+        B = self._root.slot_table.batch  # (a request(b) view: its batch's)
         fix = (
             f"the kernels serve at most {contract()} tokens a request"
             if want > contract()
@@ -620,34 +568,6 @@ class PagedE4M3Cache(Cache):
             "nothing was stored"
         )
 
-    def _advance(self, Q: int, valid) -> None:
-        """Layer 0 of a forward: each request's real new tokens. A request they would take
-        past its pages stops at its capacity and is marked full (raised at the next host
-        check); a full request stores nothing more."""
-        cap = self.limit()
-        self._lens.add_(Q if valid is None else valid.sum(1, dtype=torch.int32))
-        over = self._lens > cap
-        self._lens.clamp_(max=cap)
-        self._full.logical_or_(over)
-
-    def _slots(self, Q: int, valid) -> torch.Tensor:
-        """The slots [B * Q] of the new tokens, after _advance: -1 for padding and for a full
-        request. A request's pages are consecutive (`_allocate`), so position p of the request
-        whose first page is f is slot f * page_size + p."""
-        skip = self._full[:, None] if valid is None else self._full[:, None] | ~valid
-        return (self._lens[:, None] + self._offset(Q)).masked_fill_(skip, -1).flatten()
-
-    def _offset(self, Q: int) -> torch.Tensor:
-        """[B, Q] int64: first page x page_size - Q + r (made once per Q outside a compiled
-        graph)."""
-        off = None if torch.compiler.is_compiling() else self._offsets.get(Q)
-        if off is None:
-            first = self._table[:, :1].long() * self.page_size
-            off = first - Q + torch.arange(Q, device=first.device)
-            if not torch.compiler.is_compiling():
-                self._offsets[Q] = off
-        return off
-
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Hand the attention this cache and the layer through the model's kwargs; the
         attention stores the new tokens (it sees the padding mask). Returns the new tokens."""
@@ -658,8 +578,8 @@ class PagedE4M3Cache(Cache):
                 "..., kwargs=...), so the sm70attn attention cannot find the paged cache"
             )
         if not torch.compiler.is_compiling():
-            if self._pending is not None:
-                self._pending = None
+            if self._unread is not None:
+                self._unread = None
                 impl = getattr(self._config, "_attn_implementation", None)
                 why = (
                     f"its attn_implementation is {impl!r}, not {NAME!r}"
@@ -677,117 +597,108 @@ class PagedE4M3Cache(Cache):
                     "from_config(cfg, attn_implementation=...) writes into cfg, so give each "
                     "model its own copy.deepcopy(cfg). Then cache.reset()"
                 )
-            self._pending = layer_idx
+            self._unread = layer_idx
         attn_kwargs[NAME] = (self, layer_idx)
         return key_states, value_states
 
+    def _mark_read(self) -> None:
+        """The attention has the cache that update() handed it: the next update() goes on."""
+        if not torch.compiler.is_compiling():
+            self._unread = None
+
     def store(self, layer_idx: int, key_states, value_states, valid, position_ids=None):
         """Store the new tokens ([B, H_kv, Q, D]; valid: bool [B, Q] or None, False for
-        padding; position_ids [B or 1, Q], the model's, if it passes them) of one layer; returns
-        what the attention reads: (key_cache, value_cache, table, lens, k_scale, v_scale, pages,
-        fresh, valid). `pages` (eager prefill only, else None) cuts the table for the prefill
-        route, which gathers every page it is given; `fresh` marks a prompt without padding
-        (plain causal attention there). A request whose first new token's position is not its
+        padding; position_ids [B or 1, Q], the model's, if it passes them) of one layer.
+        Returns (layer, plan): the layer (its pools `keys`, `values` and scales `k_scale`,
+        `v_scale`) and the step's paging.StepPlan, made at layer 0 (an eager forward's other
+        layers reuse it: `self.plan`). A request whose first new token's position is not its
         length is flagged (on the device; raised at the next host check)."""
         B, H, Q, D = key_states.shape
         compiling = torch.compiler.is_compiling()
-        if not compiling:
-            self._pending = None
+        self._mark_read()
         if valid is not None and (valid.dim() != 2 or valid.shape != (B, Q)):
             valid = None if valid.dim() != 2 else valid[:, -Q:]
         if valid is not None:
             valid = valid.bool()
+        tokens = None  # real tokens of an eager forward checked on the host
         if layer_idx == 0:
-            t = self._table
-            if t is None or t.shape[0] != B or t.device != key_states.device:
-                self._allocate(B, key_states.device)
-            pages, fresh = None, False
-            if not compiling:
-                # a prompt, a prefill or a request(b) view's chunk of one: one device read
-                if Q > MAX_ROWS or self._empty or self._root is not self:
-                    pages, fresh = self._prompt_checks(Q, valid)
-                    pages = pages if Q > MAX_ROWS else None
-                self._empty = False
-            if position_ids is not None:
-                first = position_ids.reshape(-1, position_ids.shape[-1])[:, 0]
-                self._astray.logical_or_(first.to(self._lens.dtype) != self._lens)
-            self._advance(Q, valid)
-            if not compiling:  # every layer of an eager forward reuses them
-                self._step = (self._slots(Q, valid), pages, fresh)
-        if compiling or self._step is None:  # (compiled: no tensor kept on self)
-            slots, pages, fresh = self._slots(Q, valid), None, False
+            plan, tokens = self._begin(B, Q, valid, position_ids, key_states.device)
+        elif compiling or self.plan is None:
+            plan = self.slot_table.plan(Q, valid)
         else:
-            slots, pages, fresh = self._step
-            if layer_idx == len(self.layers) - 1:
-                self._step = None  # a later layer 0 that runs compiled cannot leave it stale
+            plan = self.plan
+        if not compiling:
+            self.plan = plan if layer_idx < len(self.layers) - 1 else None
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
         if self._calibrate is not None or layer.k_scale is None:
-            self._scales(layer, key_states, value_states, valid)
+            self._scales(layer, key_states, value_states, plan.valid)
         k = key_states.transpose(1, 2).reshape(B * Q, H, D).half()
         v = value_states.transpose(1, 2).reshape(B * Q, H, D).half()
         sa.store_kv(
-            k, v, layer.keys, layer.values, slots, k_scale=layer.k_scale, v_scale=layer.v_scale
+            k, v, layer.keys, layer.values, plan.slots, k_scale=layer.k_scale, v_scale=layer.v_scale
         )
         if (Q > MAX_ROWS or self._root is not self) and not compiling and self._calibrate is None:
-            self._count(layer_idx, key_states, value_states, valid, layer)
-        return (
-            layer.keys,
-            layer.values,
-            self._table,
-            self._lens,
-            layer.k_scale,
-            layer.v_scale,
-            pages,
-            fresh,
-            valid,
-        )
+            self._count(layer_idx, key_states, value_states, plan.valid, layer, tokens)
+        return layer, plan
+
+    def _begin(self, B: int, Q: int, valid, position_ids, device) -> tuple[StepPlan, int | None]:
+        """Layer 0: the batch's table (at its first forward), the host checks of an eager
+        prompt, each request's length advanced by its real new tokens. Returns the step's plan
+        and, where the host checked the step, its real tokens."""
+        st = self.slot_table
+        if st is None or st.batch != B or st.device != device:
+            self._allocate(B, device)
+            st = self.slot_table
+        pages, fresh, tokens = None, False, None
+        if not torch.compiler.is_compiling():
+            # a prompt, a prefill or a request(b) view's chunk of one: one device read
+            if Q > MAX_ROWS or self._empty or self._root is not self:
+                pages, fresh, tokens = self._prompt_checks(Q, valid)
+                pages = pages if Q > MAX_ROWS else None
+            self._empty = False
+        starts = None
+        if position_ids is not None:
+            starts = position_ids.reshape(-1, position_ids.shape[-1])[:, 0]
+        st.advance(Q, valid, starts)
+        return st.plan(Q, valid, pages, fresh), tokens
 
     def _scales(self, layer, key_states, value_states, valid) -> None:
         """The user's scales, else (and always while calibrate() runs) calibrated from x."""
         H, dev = key_states.shape[1], key_states.device
         head = HEADROOM if self._calibrate is None else self._calibrate
         k, v = (
-            _as_scale(given, H, dev)
+            paging.device_scale(given, H, dev)
             if given is not None and self._calibrate is None
-            else _calibrated(x, valid, head)
+            else paging.calibrated_scale(x, valid, head)
             for given, x in zip(layer.given, (key_states, value_states), strict=True)
         )
         layer.set_scales(k, v)
 
-    def _count(self, layer_idx, key_states, value_states, valid, layer) -> None:
+    def _count(self, layer_idx, key_states, value_states, valid, layer, tokens) -> None:
         """Saturated values of a prompt forward, counted on the device (one read at the last
         layer); a warning once per cache with the fraction."""
-        H, D = key_states.shape[1], key_states.shape[3]
-        for x, s in ((key_states, layer.k_scale), (value_states, layer.v_scale)):
-            over = x.abs() > (E4M3_MAX * s).to(x.dtype).view(1, -1, 1, 1)
-            if valid is not None:
-                over &= valid[:, None, :, None]
-            self._sat.append(over.sum())
-        root = self._root  # a request(b) view counts into its cache
-        root.counted += H * D * self._real
-        if layer_idx == len(self.layers) - 1:
-            got = torch.stack(self._sat).view(-1, 2).sum(0).tolist()
-            self._sat.clear()
-            root.saturated = [a + b for a, b in zip(root.saturated, got, strict=True)]
-            if any(root.saturated) and not root._warned:
-                root._warned = True
-                frac = [f"{n / max(root.counted, 1):.3%}" for n in root.saturated]
-                warnings.warn(
-                    f"PagedE4M3Cache: {frac[0]} of the K and {frac[1]} of the V values stored "
-                    "so far saturated at 448 x scale (larger than the scales allow). Calibrate "
-                    "on representative text (cache.calibrate(model, ids)) or give larger scales",
-                    stacklevel=4,
-                )
+        sat = self.saturation  # (a request(b) view's is its cache's)
+        if layer_idx == 0:
+            sat.start(tokens)
+        sat.add(key_states, value_states, layer.k_scale, layer.v_scale, valid)
+        if layer_idx == len(self.layers) - 1 and sat.read():
+            frac = [f"{x:.3%}" for x in sat.fractions()]
+            warnings.warn(
+                f"PagedE4M3Cache: {frac[0]} of the K and {frac[1]} of the V values stored "
+                "so far saturated at 448 x scale (larger than the scales allow). Calibrate "
+                "on representative text (cache.calibrate(model, ids)) or give larger scales",
+                stacklevel=4,
+            )
 
 
 # --- the attention -----------------------------------------------------------------------------
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention: query [B, H_q, Q, D]; returns ([B, Q, H_q, D], None)."""
     paged = kwargs.get(NAME)
-    if paged is not None and not torch.compiler.is_compiling():
-        paged[0]._pending = None  # this attention reads the cache (or raises below)
+    if paged is not None:
+        paged[0]._mark_read()  # (or raises below)
     if dropout:
         raise ValueError("sm70attn attention: dropout is not supported (use model.eval())")
     if paged is None:
@@ -798,10 +709,11 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             f"sm70attn attention needs a float16 model, got {query.dtype}: load it with "
             "dtype=torch.float16"
         )
-    kc, vc, table, lens, ks, vs, pages, fresh, valid = cache.store(
-        layer_idx, key, value, attention_mask, kwargs.get("position_ids")
-    )
-    out = paging.attend(query, kc, vc, table, lens, scaling, ks, vs, pages=pages, fresh=fresh)
+    layer, plan = cache.store(layer_idx, key, value, attention_mask, kwargs.get("position_ids"))
+    out = paging.attend(
+        query, layer.keys, layer.values, plan.table, plan.lens, scaling, layer.k_scale,
+        layer.v_scale, pages=plan.pages, fresh=plan.fresh,
+    )  # fmt: skip
     return out.transpose(1, 2), None
 
 
@@ -829,7 +741,7 @@ def _unpaged(query, key, value, padding, scale):
     return out.transpose(1, 2)
 
 
-def _mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):
+def mask_function(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):
     """The mask function of NAME: no mask is built (the attention applies the op's rule); the
     attention gets the padding mask's last kv_length columns (bool [B, kv_length]), which for a
     PagedE4M3Cache are the new tokens (its get_mask_sizes answers q_length), so that padding
