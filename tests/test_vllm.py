@@ -224,6 +224,24 @@ def test_store_writes_only_the_given_slots():
     assert int((flat[0].sum(-1) != 0).sum()) <= 20
 
 
+def test_startup_log_names_each_route():
+    """The builder says at startup, through vLLM's logger, which route each kind of step takes."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.torch_sm70attn")
+    logger.addHandler(handler)
+    try:
+        builder()
+    finally:
+        logger.removeHandler(handler)
+    text = " ".join(r.getMessage() for r in records)
+    assert "up to 8 query rows" in text and "paged_attention" in text, text
+    assert "prefill" in text and "SDPA over the dequantized pages" in text, text
+
+
 def test_profile_run_without_metadata():
     """vLLM's profile and warm-up runs: no metadata, output zero, nothing fails."""
     out = torch.full((6, H_Q * D), float("nan"), dtype=torch.float16)

@@ -47,7 +47,8 @@ import torch_sm70attn as sa
 from torch_sm70attn import paging
 from torch_sm70attn.manifest import MANIFEST, admitted_capacity
 
-log = logging.getLogger("torch_sm70attn")
+# a child of vLLM's logger, so its handler prints the startup lines with vLLM's own
+log = logging.getLogger("vllm.torch_sm70attn")
 
 NAME = "CUSTOM"  # the AttentionBackendEnum member vLLM selects with --attention-backend CUSTOM
 # vLLM releases this backend is written and tested against: 0.17-0.19 (torch 2.10.0, the
@@ -119,7 +120,6 @@ def _routes_line(threshold: int) -> str:
 
 class SM70AttnMetadataBuilder(AttentionMetadataBuilder[SM70AttnMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
-    _logged: ClassVar[bool] = False
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -136,9 +136,7 @@ class SM70AttnMetadataBuilder(AttentionMetadataBuilder[SM70AttnMetadata]):
             )
         if torch.device(device).type == "cuda":
             self._preload(kv_cache_spec, vllm_config, device)
-        if not SM70AttnMetadataBuilder._logged:
-            SM70AttnMetadataBuilder._logged = True
-            log.info(_routes_line(self.reorder_batch_threshold))
+        log.info(_routes_line(self.reorder_batch_threshold))
 
     def _preload(self, spec, vllm_config, device) -> None:
         """Load every kernel a full CUDA graph may capture, now: vLLM captures its uniform
