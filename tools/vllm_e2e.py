@@ -16,8 +16,12 @@ Steps:
   before the first difference, and the reference's top-2 logprob gap there (a near tie if small);
 - spec: the same requests with n-gram speculative decoding (7 drafts), through our verify path:
   tokens against plain decoding, acceptance from the server's /metrics;
-- bench: `vllm bench serve` (random 32000-token prompts, 128 new tokens, ignore-eos) at each
-  concurrency, our backend against FLASH_ATTN with a float16 cache and with an fp8 one.
+- bench: `vllm bench serve` (random 32000-token prompts, 128 new tokens, ignore-eos, greedy) at
+  each concurrency, our backend against FLASH_ATTN with a float16 cache (served from the shipped
+  folder: the scales' KV scheme would turn vLLM 0.26's `auto` into fp8) and with an fp8 one
+  (which FA3 refuses for a float16 model); `--bench NAME ...` picks the servers.
+Where FlashInfer is not installed, run with VLLM_USE_FLASHINFER_SAMPLER=0 (vLLM 0.26's sampler
+imports it otherwise).
 Each server's log is kept (DIR/server-*.log); whether it captured full CUDA graphs is read from
 it. Writes DIR/vllm_e2e.json.
 """
@@ -235,9 +239,14 @@ def transformers_tokens(model: Path, ids: list[list[int]], new: int, device="cud
     from torch_sm70attn.integrations import transformers as hf
 
     hf.register()
+    import torch_sm70attn as sa
+
+    # the shipped folder: the same weights, without the quantization_config (transformers would
+    # make the checkpoint's scales parameters of its own)
     m = AutoModelForCausalLM.from_pretrained(
-        model, dtype=torch.float16, attn_implementation="sm70attn", local_files_only=True
-    ).to(device)
+        sa.model_path(), dtype=torch.float16, attn_implementation="sm70attn",
+        local_files_only=True,
+    ).to(device)  # fmt: skip
     ks, vs = hf.kv_scales_from_checkpoint(model)
     longest = max(len(x) for x in ids)
     batch = torch.zeros(len(ids), longest, dtype=torch.long)
@@ -297,6 +306,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--new", type=int, default=48, help="new tokens a request (tokens, spec)")
     ap.add_argument("--bench-new", type=int, default=128)
+    ap.add_argument("--bench", nargs="+", default=["custom-fp8", "flash-fp16", "flash-fp8"])
     ap.add_argument("--lengths", type=int, nargs="+",
                     default=[37, 300, 1200, 2500, 6000, 11000, 20000, 30000])  # fmt: skip
     a = ap.parse_args()
@@ -335,18 +345,23 @@ def main() -> int:
         log(f"spec: {res['spec']}")
         save()
     if "bench" in steps:
-        rows = []
+        import torch_sm70attn as sa
+
+        rows = [r for r in res.get("bench", []) if r["backend"] not in a.bench]
         for name, backend, kv in (
             ("custom-fp8", "CUSTOM", "fp8_e4m3"),
-            ("flash-fp16", "FLASH_ATTN", "auto"),
+            ("flash-fp16", "FLASH_ATTN", "auto"),  # the shipped folder: no KV scheme, fp16
             ("flash-fp8", "FLASH_ATTN", "fp8_e4m3"),
         ):
-            with server(a.out, name, model, backend, kv) as logf:
+            if name not in a.bench:
+                continue
+            folder = sa.model_path() if kv == "auto" else model
+            with server(a.out, name, folder, backend, kv) as logf:
                 if name != "custom-fp8" and ours is not None:
-                    res["tokens"][f"vs_{name}"] = compare(ours, complete(model, ids, a.new))
+                    res["tokens"][f"vs_{name}"] = compare(ours, complete(folder, ids, a.new))
                     log(f"tokens vs {name}: {res['tokens'][f'vs_{name}']}")
                 res[f"{name}_graphs"] = graphs(logf)
-                rows += bench(a.out, model, name, a.concurrency, a.bench_new)
+                rows += bench(a.out, folder, name, a.concurrency, a.bench_new)
             res["bench"] = rows
             save()
     save()
