@@ -94,8 +94,8 @@ def register() -> None:
 class SM70AttnMetadata:
     """One step, for every layer: vLLM's tensors (on the device) and the split into decodes
     (the first `num_decodes` requests, `num_decode_tokens` tokens, at most `rows` rows each;
-    `uniform`: each exactly `rows`, padding requests of none aside) and prefills ((request, first token, end token, seq_len),
-    host ints)."""
+    `uniform`: each exactly `rows`, padding requests of none aside) and prefills ((request,
+    first token, end token, seq_len), host ints)."""
 
     num_actual_tokens: int
     query_start_loc: torch.Tensor
@@ -305,7 +305,7 @@ class SM70AttnImpl(AttentionImpl[SM70AttnMetadata]):
         kc, vc = _fp8_caches(kv_cache)
         ks, vs = layer._k_scale, layer._v_scale
         nd, T, rows = m.num_decodes, m.num_decode_tokens, m.rows
-        if nd:
+        if nd and rows:
             if m.uniform:
                 q = query[:T].view(nd, rows, H, D).transpose(1, 2)
             else:
