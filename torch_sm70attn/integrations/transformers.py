@@ -349,8 +349,8 @@ class PagedE4M3Cache(Cache):
 
     def limit(self) -> int:
         """Tokens each request of the current batch may hold: its pages, within the kernels'
-        contract (a table may address part of a page more)."""
-        return min(self.capacity(), contract())
+        contract (a table may address part of a page more); 0 before the first forward."""
+        return 0 if self.slot_table is None else self.slot_table.limit
 
     def check(self) -> None:
         """Raise if a step went past a request's pages (reads the device)."""
@@ -367,12 +367,9 @@ class PagedE4M3Cache(Cache):
             )
 
     def _raise_flags(self, full: list[bool], astray: list[bool]) -> None:
-        st = self.slot_table
         if any(full):
             cap, B = self.limit(), self._root.slot_table.batch
-            self._root._stale = "a request went past its pages in an earlier forward"
-            st.clear_flags()
-            which = [st.first + b for b, f in enumerate(full) if f]
+            which = self._stale_now("a request went past its pages in an earlier forward", full)
             raise RuntimeError(
                 f"PagedE4M3Cache is full: request(s) {which} went past their {cap} tokens "
                 f"(max_tokens={self.num_pages * self.page_size} / batch of {B}); the tokens "
@@ -380,9 +377,8 @@ class PagedE4M3Cache(Cache):
                 "drafts), rounded up to pages (or reserve=), and cache.reset()"
             )
         if any(astray):
-            self._root._stale = "a forward's tokens did not start at their requests' lengths"
-            st.clear_flags()
-            which = [st.first + b for b, f in enumerate(astray) if f]
+            stale = "a forward's tokens did not start at their requests' lengths"
+            which = self._stale_now(stale, astray)
             raise RuntimeError(
                 f"PagedE4M3Cache: a forward's tokens did not start at the length of request(s) "
                 f"{which}: they do not continue what the cache holds, and were stored after it "
@@ -391,6 +387,14 @@ class PagedE4M3Cache(Cache):
                 "transformers' caches do (pass the whole sequence so far); for a new prompt call "
                 "cache.reset() first"
             )
+
+    def _stale_now(self, why: str, flagged: list[bool]) -> list[int]:
+        """A flag read: the cache is unusable until reset() (`why`), the flags are cleared
+        (raised once). Returns the flagged requests' indices in the batch."""
+        self._root._stale = why
+        st = self.slot_table
+        st.clear_flags()
+        return [st.first + b for b, f in enumerate(flagged) if f]
 
     def crop(self, tokens_to_remove) -> None:
         """Remove the last tokens of each request (rejected drafts); the next tokens are

@@ -97,11 +97,9 @@ class SM70AttnMetadata:
     `uniform`: each exactly `rows`, padding requests of none aside) and prefills ((request,
     first token, end token, seq_len), host ints)."""
 
-    num_actual_tokens: int
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
-    slot_mapping: torch.Tensor
     num_decodes: int
     num_decode_tokens: int
     rows: int
@@ -184,11 +182,9 @@ class SM70AttnMetadataBuilder(AttentionMetadataBuilder[SM70AttnMetadata]):
                 b = nd + i
                 prefills.append((b, int(qsl[b]), int(qsl[b + 1]), int(n)))
         return SM70AttnMetadata(
-            num_actual_tokens=m.num_actual_tokens,
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,
             block_table=m.block_table_tensor,
-            slot_mapping=m.slot_mapping,
             num_decodes=nd,
             num_decode_tokens=ndt,
             rows=rows,
