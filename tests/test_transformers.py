@@ -4,10 +4,13 @@ SDPA path over the same quantized values, prompt-lookup speculative decoding (ve
 up to 5 rows, rollback by crop) emits exactly the greedy tokens, and the routes, scales and
 errors hold."""
 
+import contextlib
 import re
+import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -16,6 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config  # noqa
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
 import torch_sm70attn as sa  # noqa: E402
+import torch_sm70attn.reference  # noqa: E402, F401 (E4M3DynamicCache's quantizer)
 from torch_sm70attn import paging  # noqa: E402
 from torch_sm70attn.integrations import transformers as hf  # noqa: E402
 
@@ -169,10 +173,11 @@ def test_crop_and_reset(model):
 
 def test_equal_length_batch_matches_each_request_alone(model):
     ids = torch.cat([prompt(seed=4), prompt(seed=5)])
-    both = generate(model, ids, paged(model, max_batch_size=2))
-    for b in range(2):
-        alone = generate(model, ids[b : b + 1], paged(model))
-        assert torch.equal(both[b : b + 1], alone)
+    with rowwise(model):  # bitwise: the library's part (see rowwise)
+        both = generate(model, ids, paged(model, max_batch_size=2))
+        for b in range(2):
+            alone = generate(model, ids[b : b + 1], paged(model))
+            assert torch.equal(both[b : b + 1], alone)
 
 
 def test_errors_say_what_to_do(model):
@@ -511,5 +516,62 @@ def near_tie(tokens, greedy, logits):
     step = logits[i][0].float()
     gap = float(step[greedy[i]] - step[tokens[i]])
     spread = float(step.max() - step.min())
-    assert 0 <= gap <= 0.01 * spread, (i, gap, spread, tokens, greedy)
+    assert 0 <= gap <= 0.01 * spread, (
+        f"token {i} differs from greedy's ({int(tokens[i])} for {int(greedy[i])}) where greedy's "
+        f"logit is {gap:.3e} above it, over 1% of the logits' range {spread:.3f}: not a near tie"
+        f"\n  tokens {tokens.tolist()}\n  greedy {greedy.tolist()}"
+    )
     return f"first other token at step {i}: greedy's logit {gap:.2e} above it (range {spread:.1f})"
+
+
+# --- what the CPU's own kernels do not promise -------------------------------------------------
+@contextlib.contextmanager
+def rowwise(*models):
+    """Every nn.Linear of the models computes one row at a time, one GEMM shape whatever the
+    batch and the number of rows, so the models' own forward is batch-invariant on any CPU.
+    Without it it is not everywhere: on CPUs with AVX512-FP16 or AMX, oneDNN's float16 GEMMs
+    round with the number of rows, so a draft (1 row) and its verify step (1 + k rows) can
+    part at a near tie. Tests that hold the library's part bitwise (the cache, the route, the
+    acceptance) run under it; the model as it is is held to `near_tie`."""
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= 1:
+            return F.linear(x, self.weight, self.bias)
+        out = torch.cat([F.linear(r, self.weight, self.bias) for r in rows.split(1)])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    linears = {m for model in models for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    for m in linears:
+        m.forward = types.MethodType(forward, m)
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.forward
+
+
+class E4M3DynamicCache(DynamicCache):
+    """transformers' own cache (its own beam reorder, its own concatenation) holding the E4M3
+    codes the paged cache stores, [B, H_kv, T, D] float8_e4m3fn a layer; read by `dense`."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        def codes(x, s):  # the store's quantizer, [B, H_kv, Q, D] -> codes of the same shape
+            return sa.reference.quantize_e4m3(x.transpose(1, 2), torch.tensor(s)).transpose(1, 2)
+
+        k, v = codes(key_states, KS), codes(value_states, VS)
+        return super().update(k, v, layer_idx, *args, **kwargs)
+
+
+def dense(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """An attention over E4M3DynamicCache by the same op as the paged cache's: request b's
+    codes as one page of T tokens. No padding (the op's rule alone)."""
+    assert attention_mask is None or bool(attention_mask.all()), "dense: no padding"
+    B, _, T, _ = key.shape
+    table = torch.arange(B, dtype=torch.int32)[:, None]
+    lens = torch.full((B,), T, dtype=torch.int32)
+    out = sa.paged_attention(
+        query, key.transpose(1, 2), value.transpose(1, 2), table, lens, scale=scaling,
+        k_scale=KS, v_scale=VS,
+    )  # fmt: skip
+    return out.transpose(1, 2), None

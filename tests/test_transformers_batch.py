@@ -3,6 +3,7 @@ batches (each request equals itself alone), scales that do not depend on the bat
 request crop and the batched speculative loop, and the holes a new user found (beam search,
 a shared config, a missing cache, the token budget)."""
 
+import contextlib
 import copy
 import warnings
 
@@ -14,12 +15,16 @@ transformers = pytest.importorskip("transformers")
 from test_transformers import (  # noqa: E402
     KS,
     VS,
+    E4M3DynamicCache,
     QuantizedDynamicCache,
+    dense,
+    rowwise,
     counting_backend,
     near_tie,
     tiny,
 )
-from transformers import AutoModelForCausalLM, CompileConfig  # noqa: E402
+from transformers import AttentionInterface, AutoModelForCausalLM, CompileConfig  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 from torch_sm70attn.integrations import speculative  # noqa: E402
 from torch_sm70attn.integrations import transformers as hf  # noqa: E402
@@ -81,12 +86,15 @@ def gen(model, ids, c, mask=None, new=12, **kw):
 
 
 def test_left_padded_batch_equals_each_request_alone(model):
+    """Bitwise, with the model's GEMMs row by row (`rowwise`: the library's part, whatever the
+    CPU's float16 GEMMs do with the batch)."""
     prompts = requests()
     ids, mask = left_padded(prompts)
-    batch = gen(model, ids, cache(model, 4), mask)
-    for b, p in enumerate(prompts):
-        alone = gen(model, p[None], cache(model))
-        assert torch.equal(batch[b], alone[0]), (b, batch[b], alone[0])
+    with rowwise(model):
+        batch = gen(model, ids, cache(model, 4), mask)
+        for b, p in enumerate(prompts):
+            alone = gen(model, p[None], cache(model))
+            assert torch.equal(batch[b], alone[0]), (b, batch[b], alone[0])
 
 
 def test_left_padded_batch_compiled_equals_eager(model):
@@ -152,11 +160,12 @@ def test_speculative_batch_emits_each_requests_greedy_tokens(model):
     c = hf.PagedE4M3Cache(
         model.config, max_tokens=4 * CAP, max_batch_size=4, k_scale=KS, v_scale=VS
     )
-    out = speculative.generate(model, ids, mask, cache=c, max_new_tokens=20, drafts=4)
-    assert out.steps < 20 and max(out.accepted) > 0  # drafts were accepted
-    for b, p in enumerate(prompts):
-        alone = gen(model, p[None], cache(model), new=20)
-        assert torch.equal(out.tokens[b], alone[0]), (b, out.tokens[b], alone[0])
+    with rowwise(model):  # bitwise: the library's part (see rowwise)
+        out = speculative.generate(model, ids, mask, cache=c, max_new_tokens=20, drafts=4)
+        assert out.steps < 20 and max(out.accepted) > 0  # drafts were accepted
+        for b, p in enumerate(prompts):
+            alone = gen(model, p[None], cache(model), new=20)
+            assert torch.equal(out.tokens[b], alone[0]), (b, out.tokens[b], alone[0])
 
 
 def test_speculative_compiled_verify_steps(model):
@@ -241,12 +250,18 @@ def test_saturation_is_counted_and_warned(model):
 
 
 # --- the holes ------------------------------------------------------------------------------
-def test_beam_search_equals_stock_over_the_same_values(model):
+def test_beam_search_equals_stocks_cache_over_the_same_codes(model):
+    """Beam search reorders the paged cache's slots as transformers' own cache reorders its
+    tensors: the same tokens, bitwise, where both hold the same E4M3 codes and the same op
+    attends (two attention implementations would part at near ties, which CPUs break either
+    way). The prompt is 16 tokens, so every step takes the op's route."""
     ids = requests((16,), seed=5)[0][None]
-    ours = gen(model, ids, cache(model, 2), num_beams=2)
-    model.set_attn_implementation("sdpa")
+    ours = gen(model, ids, cache(model, 2), num_beams=2, new=16)
+    AttentionInterface.register("dense_e4m3", dense)
+    AttentionMaskInterface.register("dense_e4m3", hf.mask_function)
+    model.set_attn_implementation("dense_e4m3")
     try:
-        stock = gen(model, ids, QuantizedDynamicCache(), num_beams=2)
+        stock = gen(model, ids, E4M3DynamicCache(), num_beams=2, new=16)
     finally:
         model.set_attn_implementation(hf.NAME)
     assert torch.equal(ours, stock), (ours, stock)
@@ -377,10 +392,13 @@ def test_a_prompt_holding_the_pad_token_gets_the_fix(model):
     assert torch.equal(got, gen(model, ids, cache(model)))
 
 
+@pytest.mark.parametrize("kernels", ["rowwise", "as_is"])
 @pytest.mark.parametrize("same", [True, False])
-def test_speculative_batch_with_an_assistant_model(model, same):
+def test_speculative_batch_with_an_assistant_model(model, same, kernels):
     """Drafts from an assistant model instead of prompt lookup: the model itself (every draft
-    accepted) or another random one (few); each request's tokens are its greedy tokens alone."""
+    accepted) or another random one (few). With the models' GEMMs row by row (`rowwise`), each
+    request's tokens are its greedy tokens alone, bitwise; as they are, up to a near tie (on
+    CPUs whose float16 GEMMs round with the number of rows, a draft and its verify part there)."""
     if same:
         assistant = model
     else:
@@ -391,15 +409,17 @@ def test_speculative_batch_with_an_assistant_model(model, same):
         )
     prompts = requests(seed=9)
     ids, mask = left_padded(prompts)
-    out = speculative.generate(
-        model, ids, mask, cache=cache(model, 4), max_new_tokens=16, drafts=3,
-        assistant=assistant, assistant_cache=cache(assistant, 4),
-    )  # fmt: skip
-    if same:
+    with rowwise(model, assistant) if kernels == "rowwise" else contextlib.nullcontext():
+        out = speculative.generate(
+            model, ids, mask, cache=cache(model, 4), max_new_tokens=16, drafts=3,
+            assistant=assistant, assistant_cache=cache(assistant, 4),
+        )  # fmt: skip
+        alone = [greedy_alone(model, p, 16) for p in prompts]
+    for b, (tokens, logits) in enumerate(alone):
+        tie = near_tie(out.tokens[b], tokens, logits)
+        assert kernels == "as_is" or tie == "tokens equal", (b, tie)
+    if same and kernels == "rowwise":
         assert out.accepted[:-1] == [3.0] * (len(out.accepted) - 1), out.accepted
-    for b, p in enumerate(prompts):
-        alone = gen(model, p[None], cache(model), new=16)
-        assert torch.equal(out.tokens[b], alone[0]), (b, out.tokens[b], alone[0])
 
 
 def test_speculative_budget_holds_when_requests_finish_apart(model):
@@ -673,11 +693,13 @@ def test_serve_prefills_a_long_prompt_in_chunks_between_the_others_steps(model):
         speculative.serve(model, prompts, cache=cache(model, 2), max_new_tokens=3, prefill_chunk=0)
 
 
+@pytest.mark.parametrize("kernels", ["rowwise", "as_is"])
 @pytest.mark.parametrize("same", [True, False])
-def test_serve_with_an_assistant_model(model, same):
+def test_serve_with_an_assistant_model(model, same, kernels):
     """serve's drafts from an assistant model with its own slots: the model itself (every draft
     accepted), or another random one joining in chunks too; each request emits its greedy
-    tokens alone (up to a near tie where prompts join in chunks)."""
+    tokens alone (bitwise for whole prompts with the GEMMs row by row; up to a near tie where
+    prompts join in chunks or the models' GEMMs are as they are)."""
     if same:
         assistant, chunk = model, None
     else:
@@ -688,15 +710,18 @@ def test_serve_with_an_assistant_model(model, same):
         )
         chunk = 16
     prompts = requests((4, 40, 13, 27, 9), seed=11)
-    out = speculative.serve(
-        model, prompts, cache=cache(model, 2), max_new_tokens=16, drafts=3, prefill_chunk=chunk,
-        assistant=assistant, assistant_cache=cache(assistant, 2),
-    )  # fmt: skip
-    if same:
+    exact = same and kernels == "rowwise"
+    with rowwise(model, assistant) if kernels == "rowwise" else contextlib.nullcontext():
+        out = speculative.serve(
+            model, prompts, cache=cache(model, 2), max_new_tokens=16, drafts=3,
+            prefill_chunk=chunk, assistant=assistant, assistant_cache=cache(assistant, 2),
+        )  # fmt: skip
+        alone = [greedy_alone(model, p, 16) for p in prompts]
+    if exact:
         assert out.accepted == [3.0] * out.steps, out.accepted  # every draft accepted
-    for b, p in enumerate(prompts):
-        tie = near_tie(out.tokens[b], *greedy_alone(model, p, 16))
-        assert not same or tie == "tokens equal", tie  # whole prompts: exactly greedy
+    for b, (tokens, logits) in enumerate(alone):
+        tie = near_tie(out.tokens[b], tokens, logits)
+        assert not exact or tie == "tokens equal", (b, tie)  # whole prompts: exactly greedy
     with pytest.raises(ValueError, match="assistant_cache of 2 slots"):
         speculative.serve(
             model, prompts, cache=cache(model, 2), max_new_tokens=4, assistant=assistant,
