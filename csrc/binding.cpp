@@ -144,6 +144,7 @@ void check_cu(CUresult err, const char* what) {
 // Python objects are never freed: they must not be released without the GIL at exit.
 py::object* g_fetch = nullptr;     // torch_sm70attn.nvrtc.fetch(family, params, device) -> (cubin, symbol)
 py::object* g_fallback = nullptr;  // torch_sm70attn.ops.cuda_fallback(*paged_attention's args, rule) -> Tensor
+py::object* g_fallback_varlen = nullptr;  // ops.cuda_fallback_varlen(*paged_attention_varlen's args, rule)
 
 // The capability manifest (torch_sm70attn/manifest.py, the one place it is written): the shapes a
 // call may take the kernels for (route_refusal).
@@ -423,6 +424,126 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   return out;
 }
 
+// paged_attention_varlen: the checks paged_attention makes of the caches, table, lengths and
+// scales, and of query [T, H_q, D] and query_start_loc [B + 1]; the route by the same rules
+// (query rows: one); one launch of the varlen tile loop (and of its combine where requests split).
+// No value of the metadata is read on the host (validate mode aside): varlen.h says what the
+// kernel makes of any values.
+at::Tensor paged_attention_varlen(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                                  const at::Tensor& seq_lens, double scale, const at::Tensor& k_scale,
+                                  const at::Tensor& v_scale) {
+  TORCH_CHECK_TYPE(query.scalar_type() == at::kHalf, msg("query must be float16, got ", query.scalar_type()));
+  TORCH_CHECK_TYPE(key_cache.scalar_type() == at::kFloat8_e4m3fn, msg("key_cache must be float8_e4m3fn, got ",
+                   key_cache.scalar_type()));
+  TORCH_CHECK_TYPE(value_cache.scalar_type() == at::kFloat8_e4m3fn, msg("value_cache must be float8_e4m3fn, got ",
+                   value_cache.scalar_type()));
+  TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt, msg("block_table must be int32, got ",
+                   block_table.scalar_type()));
+  TORCH_CHECK_TYPE(query_start_loc.scalar_type() == at::kInt, msg("query_start_loc must be int32, got ",
+                   query_start_loc.scalar_type()));
+  TORCH_CHECK_TYPE(seq_lens.scalar_type() == at::kInt, msg("seq_lens must be int32, got ", seq_lens.scalar_type()));
+  TORCH_CHECK_VALUE(query.dim() == 3, msg("query must be [T, H_q, D], got shape ", query.sizes()));
+  TORCH_CHECK_VALUE(key_cache.dim() == 4, msg("key_cache must be [P, page_size, H_kv, D], got shape ",
+                    key_cache.sizes()));
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), msg("value_cache shape ", value_cache.sizes(),
+                    " != key_cache shape ", key_cache.sizes()));
+  TORCH_CHECK_VALUE(block_table.dim() == 2, msg("block_table must be [B, max_pages], got shape ", block_table.sizes()));
+  TORCH_CHECK_VALUE(seq_lens.dim() == 1, msg("seq_lens must be [B], got shape ", seq_lens.sizes()));
+  const i64 T = query.size(0), H_q = query.size(1), D = query.size(2), B = seq_lens.size(0);
+  const i64 P = key_cache.size(0), page_size = key_cache.size(1), H_kv = key_cache.size(2);
+  const i64 max_pages = block_table.size(1);
+  TORCH_CHECK_VALUE(query_start_loc.dim() == 1 && query_start_loc.size(0) == B + 1, msg("query_start_loc must be [B + 1 = ",
+                    B + 1, "], got shape ", query_start_loc.sizes()));
+  TORCH_CHECK_VALUE(key_cache.size(3) == D, msg("key_cache head dim ", key_cache.size(3), " != query head dim ", D));
+  TORCH_CHECK_VALUE(H_kv > 0 && H_q % H_kv == 0, msg("query heads H_q = ", H_q,
+                    " must be a multiple of the KV heads H_kv = ", H_kv));
+  TORCH_CHECK_VALUE(block_table.size(0) == B, msg("block_table has ", block_table.size(0), " rows, seq_lens ", B));
+  TORCH_CHECK_VALUE(page_size > 0, "key_cache page_size (dim 1) must be >= 1");
+  check_last_dim_contiguous(query, "query");
+  check_last_dim_contiguous(key_cache, "key_cache");
+  check_last_dim_contiguous(value_cache, "value_cache");
+  check_last_dim_contiguous(block_table, "block_table");
+  TORCH_CHECK_VALUE(query.is_cuda(), msg("query must be a CUDA tensor, got ", query.device()));
+  check_device(key_cache, query, "key_cache");
+  check_device(value_cache, query, "value_cache");
+  check_device(block_table, query, "block_table");
+  check_device(query_start_loc, query, "query_start_loc");
+  check_device(seq_lens, query, "seq_lens");
+  const int ks_stride = scale_stride(k_scale, H_kv, query, "k_scale");
+  const int vs_stride = scale_stride(v_scale, H_kv, query, "v_scale");
+
+  const i64 G = H_q / H_kv, capacity = max_pages * page_size;
+  if (const char* rule = route_refusal(query, key_cache, value_cache, G, 1, D, page_size, capacity)) {
+    TORCH_CHECK(g_fallback_varlen, "torch_sm70attn: the CUDA library was not initialised");
+    py::gil_scoped_acquire gil;
+    return (*g_fallback_varlen)(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, k_scale,
+                                v_scale, rule)
+        .cast<at::Tensor>();
+  }
+  const i64 max_capacity = (i64)INT_MAX - 1024;
+  TORCH_CHECK_VALUE(capacity <= max_capacity && P <= INT_MAX,
+                    msg("capacity (max_pages * page_size = ", capacity, ") must be at most ", max_capacity,
+                        " and num_pages (", P, ") must fit in int32"));
+  TORCH_CHECK_VALUE(T * G <= INT_MAX / 2 && B <= INT_MAX / 2, msg("T = ", T, " tokens and B = ", B,
+                    " requests are too many for the launch grid"));
+  const int vec = cache_aligned(key_cache, 16) && cache_aligned(value_cache, 16) ? 16 : 8;
+
+  const c10::cuda::CUDAGuard guard(query.device());
+  at::Tensor out = at::empty({T, H_q, D}, query.options());
+  if (T == 0 || H_q == 0) return out;
+  const int device = query.get_device();
+  if (g_validate.load() && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
+    validate_lengths_and_pages(seq_lens, block_table, page_size, capacity, P);
+    const at::Tensor qsl = query_start_loc.cpu();
+    const auto a = qsl.accessor<int, 1>();
+    TORCH_CHECK_VALUE(a[0] == 0, msg("query_start_loc[0] must be 0, got ", a[0]));
+    for (i64 b = 0; b < B; ++b)
+      TORCH_CHECK_VALUE(a[b + 1] >= a[b], msg("query_start_loc must be non-decreasing, got query_start_loc[", b,
+                        "] = ", a[b], " > query_start_loc[", b + 1, "] = ", a[b + 1]));
+    TORCH_CHECK_VALUE(a[B] <= T, msg("query_start_loc[B] = ", a[B], " exceeds the query's T = ", T, " tokens"));
+  }
+  const sm70attn::Launcher l = launcher(device);
+  int num_sms = device_info(device).num_sms;
+  if (const int sms = g_plan_sms.load(); sms > 0) num_sms = sms;
+  const int ctas = std::max(1, sm70attn::varlen_ctas_per_sm(l, (int)D, vec));
+  const sm70attn::VarlenPlan plan =
+      sm70attn::plan_paged_attention_varlen(T, B, (int)H_q, (int)H_kv, (int)D, capacity, num_sms, ctas);
+  TORCH_CHECK_VALUE(plan.tiles * H_kv <= INT_MAX, msg("T = ", T, " tokens are too many for the launch grid"));
+  at::Tensor workspace;
+  if (plan.workspace_floats > 0) {
+    workspace = at::empty({plan.workspace_floats}, query.options().dtype(at::kFloat));
+    workspace.narrow(0, plan.workspace_floats - 4ll * plan.units, 4ll * plan.units).zero_();  // the unit heads
+  }
+
+  sm70attn::PagedAttnParams p{};
+  p.q = reinterpret_cast<const __half*>(query.data_ptr<at::Half>());
+  p.q_stride_b = query.stride(0), p.q_stride_h = query.stride(1), p.q_stride_r = 0;
+  p.k = reinterpret_cast<const unsigned char*>(key_cache.data_ptr());
+  p.v = reinterpret_cast<const unsigned char*>(value_cache.data_ptr());
+  p.k_stride_page = key_cache.stride(0), p.k_stride_tok = key_cache.stride(1), p.k_stride_head = key_cache.stride(2);
+  p.v_stride_page = value_cache.stride(0), p.v_stride_tok = value_cache.stride(1);
+  p.v_stride_head = value_cache.stride(2);
+  p.block_table = block_table.data_ptr<int>();
+  p.bt_stride_b = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.seq_lens_stride = seq_lens.stride(0);
+  p.qsl = query_start_loc.data_ptr<int>();
+  p.k_scale = k_scale.data_ptr<float>(), p.v_scale = v_scale.data_ptr<float>();
+  p.k_scale_stride = ks_stride, p.v_scale_stride = vs_stride;
+  p.out = reinterpret_cast<__half*>(out.data_ptr<at::Half>());
+  p.B = (int)B, p.H_q = (int)H_q, p.H_kv = (int)H_kv, p.G = (int)G, p.Q = 1, p.D = (int)D, p.T = (int)T;
+  p.page_size = (int)page_size, p.max_pages = (int)max_pages, p.num_pages = (int)P;
+  p.rows = (int)G, p.row_groups = 1, p.num_splits = 1;
+  p.split_cap = plan.split_cap, p.split_tokens = plan.split_tokens, p.split_q = plan.split_q;
+  p.split_target = plan.split_target, p.units = plan.units;
+  p.scale_log2 = (float)(scale * 1.4426950408889634);
+  p.q_vec16 = ptr_aligned(query, 16) && strides_aligned(query, 2, 8);
+  sm70attn::set_varlen_workspace(p, plan.workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr);
+  check_cu(sm70attn::launch_paged_attention_varlen(l, p, plan, vec), "paged_attention_varlen launch");
+  return out;
+}
+
 void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
               const at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& k_scale,
               const at::Tensor& v_scale) {
@@ -543,12 +664,13 @@ TORCH_LIBRARY(sm70attn_test, m) {
 
 TORCH_LIBRARY_IMPL(sm70attn, CUDA, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_varlen", &paged_attention_varlen);
   m.impl("store_kv", &store_kv);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("digest", [] { return std::string(SM70ATTN_STR(SM70ATTN_DIGEST)); }, "source digest this library was built from");
-  m.def("init", [](py::object fetch, py::object fallback, std::vector<int> head_dims, std::vector<int> group_sizes,
+  m.def("init", [](py::object fetch, py::object fallback, py::object fallback_varlen, std::vector<int> head_dims, std::vector<int> group_sizes,
                    std::vector<int> query_rows, int64_t max_context, int min_cc) {
           Bounds b;
           for (int d : head_dims) {  // every head dim the manifest admits has its kernels
@@ -557,6 +679,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 TORCH_CHECK(sm70attn::attn_switch(d, mb, vec, [](auto) {}),
                             msg("torch_sm70attn: the manifest admits head dim ", d, " but static_switch.h lists no "
                                 "attention kernel for MB ", mb, " VEC ", vec));
+            for (int vec : {8, 16})
+              TORCH_CHECK(sm70attn::varlen_switch(d, sm70attn::varlen_row_blocks(), vec, [](auto) {}) &&
+                              sm70attn::combine_varlen_switch(d, [](auto) {}),
+                          msg("torch_sm70attn: no paged_attention_varlen kernels for head dim ", d));
             for (int splits : {1, 16, 64, sm70attn::attn_max_splits()})
               TORCH_CHECK(sm70attn::combine_switch(d, splits, [](auto) {}),
                           msg("torch_sm70attn: no combine kernel for head dim ", d));
@@ -574,11 +700,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           g_bounds = b;
           if (!g_fetch) g_fetch = new py::object();
           if (!g_fallback) g_fallback = new py::object();
-          *g_fetch = fetch, *g_fallback = fallback;
+          if (!g_fallback_varlen) g_fallback_varlen = new py::object();
+          *g_fetch = fetch, *g_fallback = fallback, *g_fallback_varlen = fallback_varlen;
         },
         "called once by torch_sm70attn.ops.load_cuda_kernels: the kernel loader, the reference route (called "
         "with the name of the rule a call failed) and the capability manifest's bounds", py::arg("fetch"),
-        py::arg("fallback"), py::arg("head_dims"), py::arg("group_sizes"), py::arg("query_rows"),
+        py::arg("fallback"), py::arg("fallback_varlen"), py::arg("head_dims"), py::arg("group_sizes"), py::arg("query_rows"),
         py::arg("max_context"), py::arg("min_cc"));
   m.def("set_validate", [](bool on) { g_validate.store(on); },
         "host-side checks of seq_lens and block_table in paged_attention (syncs; skipped while capturing)");

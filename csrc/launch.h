@@ -54,6 +54,18 @@ struct AttnKernel {
   }
 };
 
+template <class KT>
+struct VarlenKernel {
+  static constexpr int THREADS = KT::THREADS, SMEM = KT::SMEM_BYTES + kVarlenSmemExtra;
+  static KernelKey key() { return {"attn-varlen", {KT::D, KT::MB, KT::VEC}, 3}; }
+};
+
+template <class CT>
+struct CombineVarlenKernel {
+  static constexpr int THREADS = CT::THREADS, SMEM = CT::SMEM_BYTES;
+  static KernelKey key() { return {"combine-varlen", {CT::D, 0, 0}, 1}; }
+};
+
 template <class CT>
 struct CombineKernel {
   static constexpr int THREADS = CT::THREADS, SMEM = CT::SMEM_BYTES;
@@ -164,6 +176,36 @@ inline int attn_ctas_per_sm(const Launcher& l, int kind, int d, int mb, int vec,
         (smem > K::SMEM && smem > 48 * 1024 &&
          l.drv->set_attribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem) != CUDA_SUCCESS) ||
         l.drv->occupancy(&n, f, K::THREADS, (size_t)smem) != CUDA_SUCCESS)
+      n = 0;
+  });
+  return n;
+}
+
+// paged_attention_varlen (plan: plan_paged_attention_varlen, its fields in p): the tile loop over
+// tiles x H_kv CTAs and split_cap splits, then the combine of the split units. The unit heads
+// must be zero (no unit used) before the launch.
+inline CUresult launch_paged_attention_varlen(const Launcher& l, const PagedAttnParams& params, const VarlenPlan& plan,
+                                              int vec) {
+  PagedAttnParams p = params;
+  set_divisors(p);
+  CUresult err = CUDA_ERROR_INVALID_VALUE;
+  varlen_switch(p.D, varlen_row_blocks(), vec, [&](auto kt) {
+    using K = VarlenKernel<decltype(kt)>;
+    err = launch<K>(l, (unsigned)(plan.tiles * p.H_kv), (unsigned)p.split_cap, K::SMEM, p);
+  });
+  if (err != CUDA_SUCCESS || p.units == 0) return err;
+  err = CUDA_ERROR_INVALID_VALUE;
+  combine_varlen_switch(p.D, [&](auto ct) { err = launch<CombineVarlenKernel<decltype(ct)>>(l, (unsigned)p.units, 1, 0, p); });
+  return err;
+}
+
+// Resident CTAs per SM of the varlen tile loop (as attn_ctas_per_sm).
+inline int varlen_ctas_per_sm(const Launcher& l, int d, int vec) {
+  int n = 0;
+  varlen_switch(d, varlen_row_blocks(), vec, [&](auto kt) {
+    using K = VarlenKernel<decltype(kt)>;
+    CUfunction f = nullptr;
+    if (function<K>(l, &f) != CUDA_SUCCESS || l.drv->occupancy(&n, f, K::THREADS, (size_t)K::SMEM) != CUDA_SUCCESS)
       n = 0;
   });
   return n;

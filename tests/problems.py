@@ -211,3 +211,32 @@ def route_case_problem(case, device="cpu"):
         else:
             raise ValueError(change)
     return p
+
+
+def make_varlen_problem(
+    q_lens=(1, 5, 40, 0, 19), pasts=(30, 7, 0, 12, 100), *, H_kv=2, G=3, D=64, page_size=16,
+    pad_tokens=3, device="cpu", seed=0, **kw,
+):  # fmt: skip
+    """Inputs of paged_attention_varlen as a dict: make_problem's caches and table for lengths
+    past + q, the requests' query rows packed into query [T, H_q, D] (T = their sum plus
+    pad_tokens padding rows at the end), query_start_loc [B + 1]."""
+    lens = [p + q for p, q in zip(q_lens, pasts, strict=True)]
+    p = make_problem(
+        B=len(lens), H_kv=H_kv, G=G, Q=1, D=D, page_size=page_size, lens=lens, device=device,
+        seed=seed, **kw,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(seed + 1)
+    T = sum(q_lens) + pad_tokens
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    del p["query"]
+    return dict(
+        query=torch.randn(T, H_kv * G, D, generator=g).half().to(device),
+        query_start_loc=qsl.to(device),
+        **p,
+    )
+
+
+def varlen_args(p):
+    """The raw op's positional arguments, in its schema's order."""
+    keys = ("query", "key_cache", "value_cache", "block_table", "query_start_loc", "seq_lens")
+    return (*(p[k] for k in keys), p["scale"], p["k_scale"], p["v_scale"])

@@ -21,6 +21,7 @@ EMU = ROOT / "tests" / "emu"
 # (splits, manysplits, allcfg, padwarps, fuzz) run by hand: see the head of kernels.cpp.
 CASES = [
     "rfkinds",
+    "varlen",
     "rffuzz",
     "rfrescale",
     "tinyv",

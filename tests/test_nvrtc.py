@@ -28,7 +28,7 @@ needs_nvrtc = pytest.mark.skipif(not have_nvrtc(), reason="no CUDA 12 NVRTC (the
 def test_every_listed_kernel_has_one_name_and_the_manifest_its_kernels():
     ks = nvrtc.kernels()
     names = [k.name for k in ks]
-    assert len(names) == len(set(names)) == 61
+    assert len(names) == len(set(names)) == 70
     assert len({k.expr for k in ks}) == len(ks)
     # what the binding checks at load (init): every admitted head dim has its attention kernels
     # for 1..MB rows blocks in both load widths, and its combine kernels
@@ -43,6 +43,10 @@ def test_every_listed_kernel_has_one_name_and_the_manifest_its_kernels():
             4,
             16,
         ]
+        # and paged_attention_varlen's tile loop (64-row tiles, both widths) and combine
+        varlen = {k.params for k in ks if k.family == "attn-varlen" and k.params[0] == d}
+        assert varlen == {(d, 4, 8), (d, 4, 16)}, (d, varlen)
+        assert nvrtc.Kernel("combine-varlen", (d,)) in ks
     assert nvrtc.Kernel("attn", (256, 3, 16)).expr == (
         "sm70attn::paged_attention_kernel<sm70attn::AttnTraits<256, 3, 16>>"
     )

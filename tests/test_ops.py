@@ -23,20 +23,6 @@ UTILS = (
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.fixture
-def fp8_aware_allclose(monkeypatch):
-    """opcheck's schema check compares inputs before and after the call with
-    torch.allclose, which has no float8 kernels: compare float8 tensors bit for bit."""
-    allclose = torch.allclose
-
-    def patched(a, b, *args, **kw):
-        if a.dtype in (FP8, torch.float8_e5m2) or b.dtype in (FP8, torch.float8_e5m2):
-            return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        return allclose(a, b, *args, **kw)
-
-    monkeypatch.setattr(torch, "allclose", patched)
-
-
 def store_args(seed=0, T=7):
     p = make_problem(G=1, D=64, page_size=16, seed=seed)
     g = torch.Generator().manual_seed(seed)

@@ -21,6 +21,7 @@ from .routes import CUDA, REFERENCE, UNSUPPORTED, Admission, admit
 __version__ = "0.1.0"
 __all__ = [
     "paged_attention",
+    "paged_attention_varlen",
     "store_kv",
     "verifier_mask",
     "capabilities",
@@ -56,6 +57,7 @@ _EXPECTED = {
     "value_cache": "float8_e4m3fn [P, page_size, H_kv, D]",
     "block_table": "int32 [B, max_pages]",
     "seq_lens": "int32 [B]",
+    "query_start_loc": "int32 [B + 1]",
     "key": "float16 [T, H_kv, D]",
     "value": "float16 [T, H_kv, D]",
     "slot_mapping": "int64 [T]",
@@ -137,6 +139,51 @@ def paged_attention(
     if query.device.type == "cuda" and routes.disabled():
         return ops._paged_attention_ref(*args)
     return torch.ops.sm70attn.paged_attention.default(*args)
+
+
+def paged_attention_varlen(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """Attention of packed requests over the paged float8_e4m3fn KV cache: any mix of whole
+    prompts, chunks over a past, decodes and verifies in one call.
+
+    query [T, H_q, D] float16: request b's rows are query[qsl[b]:qsl[b + 1]] (query_start_loc
+    [B + 1] int32, 0 first, non-decreasing, qsl[B] <= T). seq_lens [B] int32 counts request b's
+    tokens in the cache including its q = qsl[b + 1] - qsl[b] new ones; its row i attends to
+    positions [0, seq_lens[b] - q + i]. A row that sees nothing, and every row from qsl[B] on,
+    is 0. The caches, block_table and scales are paged_attention's. Returns [T, H_q, D] float16.
+    """
+    T = torch.Tensor
+    tensors = (query, key_cache, value_cache, block_table, query_start_loc, seq_lens)
+    if not isinstance(query, T):
+        raise TypeError(
+            f"query must be a torch.Tensor (float16 [T, H_q, D]), got {type(query).__name__}"
+        )
+    if not all(isinstance(t, T) for t in tensors):
+        raise _not_a_tensor(
+            query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
+            query_start_loc=query_start_loc, seq_lens=seq_lens,
+        )  # fmt: skip
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    args = (
+        *tensors,
+        float(scale),
+        _as_scale("k_scale", k_scale, query.device),
+        _as_scale("v_scale", v_scale, query.device),
+    )
+    if query.device.type == "cuda" and routes.disabled():
+        return ops._paged_attention_varlen_ref(*args)
+    return torch.ops.sm70attn.paged_attention_varlen.default(*args)
 
 
 def store_kv(

@@ -112,6 +112,51 @@ def check_paged_attention_values(block_table, seq_lens, num_pages, page_size):
         raise ValueError(f"block_table page ids must lie in [0, {num_pages}), got {bad}")
 
 
+def check_paged_attention_varlen(
+    query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale, v_scale
+):
+    """Metadata checks of sm70attn::paged_attention_varlen; returns (T, H_q, D, B, P, page, H_kv)."""
+    _dtype("query", query, torch.float16)
+    _rank("query", query, 3, "[T, H_q, D] (the requests' tokens, packed)")
+    _dtype("query_start_loc", query_start_loc, torch.int32)
+    _rank("query_start_loc", query_start_loc, 1, "[B + 1]")
+    _dtype("seq_lens", seq_lens, torch.int32)
+    _rank("seq_lens", seq_lens, 1, "[B]")
+    _same_device(query, query_start_loc=query_start_loc)
+    B = seq_lens.shape[0]
+    if query_start_loc.shape[0] != B + 1:
+        raise ValueError(
+            f"query_start_loc has {query_start_loc.shape[0]} entries, seq_lens has {B}: "
+            "query_start_loc must be [B + 1] (request b's rows are query[qsl[b]:qsl[b + 1]])"
+        )
+    T, H_q, D = query.shape
+    # The rest as paged_attention's, through a [B, H_q, 1, D] stand-in for the query.
+    shaped = query.new_empty((B, H_q, 1, D))
+    _, _, _, _, P, page_size, H_kv = check_paged_attention(
+        shaped, key_cache, value_cache, block_table, seq_lens, k_scale, v_scale
+    )
+    _last_dim_contiguous("query", query)
+    return T, H_q, D, seq_lens.shape[0], P, page_size, H_kv
+
+
+def check_query_start_loc_values(query_start_loc, T):
+    """query_start_loc [B + 1]: 0 first, non-decreasing, at most T (reads it)."""
+    qsl = query_start_loc.to("cpu", torch.int64)
+    if qsl[0] != 0:
+        raise ValueError(f"query_start_loc[0] must be 0, got {qsl[0].item()}")
+    steps = qsl[1:] - qsl[:-1]
+    if steps.numel() and steps.min() < 0:
+        b = int((steps < 0).nonzero()[0])
+        raise ValueError(
+            f"query_start_loc must be non-decreasing, got query_start_loc[{b}] = "
+            f"{qsl[b].item()} > query_start_loc[{b + 1}] = {qsl[b + 1].item()}"
+        )
+    if qsl[-1] > T:
+        raise ValueError(
+            f"query_start_loc[B] = {qsl[-1].item()} exceeds the query's T = {T} tokens"
+        )
+
+
 def check_store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
     """Metadata checks of sm70attn::store_kv; returns (T, H_kv, D, P, page_size)."""
     _dtype("key", key, torch.float16)

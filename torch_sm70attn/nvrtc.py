@@ -74,6 +74,18 @@ FAMILIES = {
         "sm70attn::CombineTraits<{0}, {1}>",
         "combine D{0} WPR{1}",
     ),
+    "attn-varlen": (
+        "varlen.cuh",
+        "sm70attn::paged_attention_varlen_kernel<{t}>",
+        "sm70attn::AttnTraits<{0}, {1}, {2}>",
+        "attn-varlen D{0} MB{1} VEC{2}",
+    ),
+    "combine-varlen": (
+        "varlen.cuh",
+        "sm70attn::combine_varlen_kernel<{t}>",
+        "sm70attn::CombineVarlenTraits<{0}>",
+        "combine-varlen D{0}",
+    ),
     "store_kv": ("store_kv.cuh", "sm70attn::store_kv_kernel", "", "store_kv"),
     "mma": ("mma_check.cuh", "sm70attn::mma_check_kernel<sm70attn::{t}>", "", "mma atom {t}"),
 }
@@ -126,6 +138,8 @@ def kernels() -> tuple[Kernel, ...]:
     for e in switch_entries("SM70ATTN_RF_KERNELS"):
         out += [Kernel("attn-rf-m8n8k4", e), Kernel("attn-rf-m16n8k16", e)]
     out += [Kernel("combine", e) for e in switch_entries("SM70ATTN_COMBINE_KERNELS")]
+    out += [Kernel("attn-varlen", e) for e in switch_entries("SM70ATTN_VARLEN_KERNELS")]
+    out += [Kernel("combine-varlen", e) for e in switch_entries("SM70ATTN_COMBINE_VARLEN_KERNELS")]
     out += [Kernel("store_kv")] + [Kernel("mma", (s,)) for s in ATOMS]
     return tuple(out)
 

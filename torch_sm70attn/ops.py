@@ -53,6 +53,41 @@ lib.impl("paged_attention", _paged_attention_ref, "CPU")
 
 # ---------------------------------------------------------------------------------------
 lib.define(
+    "paged_attention_varlen(Tensor query, Tensor key_cache, Tensor value_cache, "
+    "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, float scale, Tensor k_scale, "
+    "Tensor v_scale) -> Tensor"
+)
+
+
+@torch.library.register_fake("sm70attn::paged_attention_varlen", lib=lib)
+def _paged_attention_varlen_fake(
+    query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, k_scale, v_scale
+):
+    checks.check_paged_attention_varlen(
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale, v_scale
+    )
+    return query.new_empty(query.shape)
+
+
+def _paged_attention_varlen_ref(
+    query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, k_scale, v_scale
+):
+    T, _, _, _, P, page_size, _ = checks.check_paged_attention_varlen(
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale, v_scale
+    )
+    if _check_values(query):
+        checks.check_query_start_loc_values(query_start_loc, T)
+        checks.check_paged_attention_values(block_table, seq_lens, P, page_size)
+    return reference.paged_attention_varlen(
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, k_scale,
+        v_scale,
+    )  # fmt: skip
+
+
+lib.impl("paged_attention_varlen", _paged_attention_varlen_ref, "CPU")
+
+# ---------------------------------------------------------------------------------------
+lib.define(
     "store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
     "Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> ()"
 )
@@ -98,7 +133,11 @@ lib.impl("verifier_mask", _verifier_mask_any, "CompositeExplicitAutograd")
 # again, straight to C++ (whose kernels NVRTC compiles at their own first use). With
 # TORCH_SM70ATTN_DISABLE=1 at that first call nothing is built and CUDA calls run the reference
 # (right, slow, not capturable).
-_REFERENCE = {"paged_attention": _paged_attention_ref, "store_kv": _store_kv_ref}
+_REFERENCE = {
+    "paged_attention": _paged_attention_ref,
+    "paged_attention_varlen": _paged_attention_varlen_ref,
+    "store_kv": _store_kv_ref,
+}
 _loader: torch.library.Library | None = None
 
 
@@ -132,6 +171,19 @@ def cuda_fallback(
     )
 
 
+def cuda_fallback_varlen(
+    query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, k_scale,
+    v_scale, rule,
+):  # fmt: skip
+    """cuda_fallback for paged_attention_varlen (its rules read the query as [T, H_q, 1, D])."""
+    call = routes.Call(query.unsqueeze(2), key_cache, value_cache, block_table)
+    routes.warn_fallback(routes.binding_reason(rule, call))
+    return _paged_attention_varlen_ref(
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, k_scale,
+        v_scale,
+    )  # fmt: skip
+
+
 def load_cuda_kernels():
     """Build (once) and load the CUDA binding; returns it. Raises if it cannot be built, or if
     this torch has no code for the GPU (torch_sm70attn.nvrtc.check_torch_arch)."""
@@ -150,6 +202,7 @@ def load_cuda_kernels():
         mod.init(
             nvrtc.fetch,
             cuda_fallback,
+            cuda_fallback_varlen,
             head_dims=list(MANIFEST.head_dims),
             group_sizes=list(MANIFEST.group_sizes),
             query_rows=list(MANIFEST.query_rows),

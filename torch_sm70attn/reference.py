@@ -59,6 +59,34 @@ def paged_attention(query, key_cache, value_cache, block_table, seq_lens, scale,
     return out
 
 
+# Query rows per reference call of paged_attention_varlen: bounds the scores' memory for long
+# prompts (ROW_BLOCK x G x CHUNK floats per KV head).
+ROW_BLOCK = 256
+
+
+def paged_attention_varlen(
+    query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, k_scale, v_scale
+):
+    """Request b's rows query[qsl[b]:qsl[b+1]] (q rows) are paged_attention's rows of a request
+    of Q = q: row i sees t <= seq_lens[b] - q + i. Rows from qsl[B] on are 0. Row blocks of
+    ROW_BLOCK go through paged_attention with their own length (the rule shifts with the block)."""
+    T, H_q, D = query.shape
+    out = torch.zeros(T, H_q, D, dtype=torch.float16, device=query.device)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, L in enumerate(lens):
+        s, e = qsl[b], qsl[b + 1]
+        for i0 in range(s, e, ROW_BLOCK):
+            i1 = min(e, i0 + ROW_BLOCK)
+            q = query[i0:i1].transpose(0, 1)[None]  # [1, H_q, rows, D]
+            L_blk = L - (e - i1)  # the block's last row is the request's row i1 - 1 - s
+            o = paged_attention(
+                q, key_cache, value_cache, block_table[b : b + 1],
+                torch.tensor([L_blk], dtype=torch.int32), scale, k_scale, v_scale,
+            )  # fmt: skip
+            out[i0:i1] = o[0].transpose(0, 1)
+    return out
+
+
 def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x / scale in FP32, saturated to +-448, rounded to nearest even; NaN stays NaN.
 

@@ -26,12 +26,15 @@
 #include "sm70attn/params.h"
 #include "sm70attn/traits.h"
 #include "sm70attn/utils.h"
+#include "sm70attn/varlen.h"
 
 namespace sm70attn {
 
-template <class KT>
-__global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
-    paged_attention_kernel(const PagedAttnParams p) {
+// One CTA's work: paged_attention's (VARLEN false) or paged_attention_varlen's (varlen.h: the
+// CTA's request and tile, rows position-major, out [T, H_q, D], split partials by unit). The
+// tile loop and the epilogue are the same for both.
+template <class KT, bool VARLEN>
+__device__ __forceinline__ void attend_cta(const PagedAttnParams& p) {
   namespace wmma = nvcuda::wmma;
   using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major>;
   using FragKt = wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major>;
@@ -55,30 +58,75 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int mblk = warp / WN, wn = warp % WN;  // this warp's 16-row block and column share
 
-  const int bkv = fastdiv(blockIdx.x, p.div_rg), rg = blockIdx.x - bkv * p.row_groups;
-  const int b = fastdiv(bkv, p.div_hkv), kvh = bkv - b * p.H_kv, split = blockIdx.y;
-  const int row0 = rg * ROWS, nrows = min(ROWS, p.rows - row0);
-  const i64 out_row0 = ((i64)b * p.H_q + (i64)kvh * p.G) * p.Q + row0;  // [B*H_q*Q] row index
+  int b, kvh, row0, nrows, len, t_begin, t_end;
+  const int split = blockIdx.y;
+  i64 out_row0 = 0;  // paged_attention: [B*H_q*Q] row index of local row 0
+  VarlenTile vt{nullptr};
+  if constexpr (!VARLEN) {
+    const int bkv = fastdiv(blockIdx.x, p.div_rg), rg = blockIdx.x - bkv * p.row_groups;
+    b = fastdiv(bkv, p.div_hkv), kvh = bkv - b * p.H_kv;
+    row0 = rg * ROWS, nrows = min(ROWS, p.rows - row0);
+    out_row0 = ((i64)b * p.H_q + (i64)kvh * p.G) * p.Q + row0;
 
-  // This split's tokens: ceil(len / num_splits) rounded up to whole tiles, so the work follows
-  // the actual length while the grid depends on shapes only. Lengths are clamped to capacity.
-  const int capacity = p.max_pages * p.page_size;
-  const int len = min(max(p.seq_lens[b * p.seq_lens_stride], 0), capacity);
-  const int chunk = (fastdiv(len + p.num_splits - 1, p.div_splits) + N - 1) / N * N;
-  const int t_begin = (int)min((i64)len, (i64)split * chunk);
-  const int t_end = min(len, t_begin + chunk);
+    // This split's tokens: ceil(len / num_splits) rounded up to whole tiles, so the work follows
+    // the actual length while the grid depends on shapes only. Lengths are clamped to capacity.
+    const int capacity = p.max_pages * p.page_size;
+    len = min(max(p.seq_lens[b * p.seq_lens_stride], 0), capacity);
+    const int chunk = (fastdiv(len + p.num_splits - 1, p.div_splits) + N - 1) / N * N;
+    t_begin = (int)min((i64)len, (i64)split * chunk);
+    t_end = min(len, t_begin + chunk);
+  } else {
+    const int tile = fastdiv(blockIdx.x, p.div_hkv);
+    kvh = blockIdx.x - tile * p.H_kv;
+    vt = varlen_tile<ROWS>(p, tile, reinterpret_cast<int*>(smem + KT::SMEM_BYTES));
+    if (vt.b() < 0 || split >= vt.splits()) return;  // (CTA-uniform) past the last tile or split
+    b = vt.b(), row0 = vt.row0(), nrows = min(ROWS, vt.q() * p.G - row0), len = vt.len();
+    const int splits = vt.splits();
+    // The tile's tokens: up to what its last row sees (causal), split evenly in whole tiles.
+    const int seen = min(len, max(0, len - vt.q() + fastdiv(row0 + nrows - 1, p.div_g) + 1));
+    const int chunk = ((seen + splits - 1) / splits + N - 1) / N * N;
+    t_begin = min(seen, split * chunk);
+    t_end = min(seen, t_begin + chunk);
+  }
 
+  auto splits = [&] {
+    if constexpr (VARLEN) return vt.splits();
+    return p.num_splits;
+  };
   // Where local row lr goes: out, or with splits the split's fp16 partial row (params.h).
   auto dst_row = [&](int lr) {
-    return p.num_splits == 1 ? p.out + (out_row0 + lr) * D : p.part_acc + ((out_row0 + lr) * p.num_splits + split) * D;
+    if constexpr (VARLEN) {
+      const int m = row0 + lr, i = fastdiv(m, p.div_g), h = kvh * p.G + m - i * p.G;
+      return vt.splits() == 1 ? p.out + ((i64)(vt.start() + i) * p.H_q + h) * D
+                              : p.part_acc + ((((i64)vt.unit() * 8 + i) * p.H_q + h) * p.split_cap + split) * D;
+    } else {
+      return p.num_splits == 1 ? p.out + (out_row0 + lr) * D : p.part_acc + ((out_row0 + lr) * p.num_splits + split) * D;
+    }
   };
+  // The (m, l) slot of local row lr's partial (splits > 1).
+  auto ml_slot = [&](int lr, int sp) {
+    if constexpr (VARLEN) {
+      const int m = row0 + lr, i = fastdiv(m, p.div_g), h = kvh * p.G + m - i * p.G;
+      return p.part_ml + (((i64)vt.unit() * 8 + i) * p.H_q + h) * p.split_cap + sp;
+    } else {
+      return p.part_ml + (out_row0 + lr) * p.num_splits + sp;
+    }
+  };
+
+  if constexpr (VARLEN) {  // the heads of the request's units, for combine_varlen_kernel
+    // (by the CTA whose tile holds row g = 0 of the unit's first token)
+    if (vt.splits() > 1 && kvh == 0 && split == 0 && tid == 0)
+      for (int i = (row0 + 8 * p.G - 1) / (8 * p.G) * 8; i * p.G < row0 + nrows; i += 8) {
+        int* h = p.unit_head + 4 * (vt.unit() + i / 8);
+        h[0] = vt.start() + i, h[1] = min(8, vt.q() - i), h[2] = vt.splits(), h[3] = b;
+      }
+  }
 
   if (t_begin >= t_end) {  // nothing to see: zero rows, or an empty partial (m = -inf, l = 0, O = 0)
     for (int c = tid; c < nrows * (D / 8); c += KT::THREADS)
       *reinterpret_cast<uint4*>(dst_row(c / (D / 8)) + c % (D / 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
-    if (p.num_splits > 1)
-      for (int lr = tid; lr < nrows; lr += KT::THREADS)
-        p.part_ml[(out_row0 + lr) * p.num_splits + split] = make_float2(neg_inf(), 0.f);
+    if (splits() > 1)
+      for (int lr = tid; lr < nrows; lr += KT::THREADS) *ml_slot(lr, split) = make_float2(neg_inf(), 0.f);
     return;
   }
 
@@ -87,9 +135,14 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     const int lr = c / (D / 8), part = c % (D / 8);
     uint4 x = make_uint4(0u, 0u, 0u, 0u);
     if (lr < nrows) {
-      const int m = row0 + lr, g = fastdiv(m, p.div_q), r = m - g * p.Q;
-      const __half* src = p.q + b * p.q_stride_b + (i64)(kvh * p.G + g) * p.q_stride_h +
-                          r * p.q_stride_r + part * 8;
+      const __half* src;
+      if constexpr (VARLEN) {
+        const int m = row0 + lr, i = fastdiv(m, p.div_g), g = m - i * p.G;
+        src = p.q + (i64)(vt.start() + i) * p.q_stride_b + (i64)(kvh * p.G + g) * p.q_stride_h + part * 8;
+      } else {
+        const int m = row0 + lr, g = fastdiv(m, p.div_q), r = m - g * p.Q;
+        src = p.q + b * p.q_stride_b + (i64)(kvh * p.G + g) * p.q_stride_h + r * p.q_stride_r + part * 8;
+      }
       if (p.q_vec16) {
         x = __ldg(reinterpret_cast<const uint4*>(src));
       } else {
@@ -135,6 +188,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   auto row_of = [&](int k) { return wrow0 + k * RPP + grp; };
   auto row_last = [&](int lr) {
     const int m = row0 + lr;
+    if constexpr (VARLEN) return lr < nrows ? len - vt.q() + fastdiv(m, p.div_g) : -1;
     return lr < nrows ? len - p.Q + m - fastdiv(m, p.div_q) * p.Q : -1;
   };
   int last[RP];
@@ -321,7 +375,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     wmma::store_matrix_sync(Es + mblk * 16 * KT::ELD + (wn * KT::DPW + k) * 16, o[k], KT::ELD,
                             wmma::mem_row_major);
   __syncthreads();
-  if (p.num_splits == 1) {
+  if (splits() == 1) {
     const float vsc = __ldg(p.v_scale + kvh * p.v_scale_stride) * 256.f;
     for (int c = tid; c < nrows * (D / 8); c += KT::THREADS) {
       const int lr = c / (D / 8), part = c % (D / 8);
@@ -329,7 +383,13 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
       const float4 e0 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8);
       const float4 e1 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8 + 4);
       // Columns of O are in the permuted D order (e4m3.h): positions 0..3 hold d0, d2, d1, d3.
-      *reinterpret_cast<uint4*>(p.out + (out_row0 + lr) * D + part * 8) =
+      __half* dst;
+      if constexpr (VARLEN) {
+        dst = dst_row(lr);
+      } else {
+        dst = p.out + (out_row0 + lr) * D;
+      }
+      *reinterpret_cast<uint4*>(dst + part * 8) =
           make_uint4(pack_half2(e0.x * f, e0.z * f), pack_half2(e0.y * f, e0.w * f),
                      pack_half2(e1.x * f, e1.z * f), pack_half2(e1.y * f, e1.w * f));
     }
@@ -339,12 +399,23 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
       const int lr = c / (D / 4), part = c % (D / 4);
       const float f = partial_scale(row_l[lr]);
       const float4 e = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 4);  // d0, d2, d1, d3
-      *reinterpret_cast<uint2*>(p.part_acc + ((out_row0 + lr) * p.num_splits + sp) * D + part * 4) =
+      __half* dst;
+      if constexpr (VARLEN) {
+        dst = dst_row(lr);
+      } else {
+        dst = p.part_acc + ((out_row0 + lr) * p.num_splits + sp) * D;
+      }
+      *reinterpret_cast<uint2*>(dst + part * 4) =
           make_uint2(pack_half2(e.x * f, e.z * f), pack_half2(e.y * f, e.w * f));
     }
-    for (int lr = tid; lr < nrows; lr += KT::THREADS)
-      p.part_ml[(out_row0 + lr) * p.num_splits + sp] = make_float2(row_m[lr], row_l[lr]);
+    for (int lr = tid; lr < nrows; lr += KT::THREADS) *ml_slot(lr, sp) = make_float2(row_m[lr], row_l[lr]);
   }
+}
+
+template <class KT>
+__global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
+    paged_attention_kernel(const PagedAttnParams p) {
+  attend_cta<KT, false>(p);
 }
 
 }  // namespace sm70attn

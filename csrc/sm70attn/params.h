@@ -66,6 +66,17 @@ struct PagedAttnParams {
   int num_splits;  // context splits per (request, KV head, row group)
   float scale_log2;  // softmax scale * log2(e); k_scale and the e4m3 2^8 are applied on device
   int q_vec16;       // query pointer and strides allow 16-byte loads
+  // paged_attention_varlen only (varlen.h; after the fields above, which paged_attention's
+  // kernels read at the same offsets as before). query and out are [T, H_q, D]: q_stride_b is
+  // the token stride, B the requests, Q and rows unused.
+  const int* qsl;  // query_start_loc [B + 1]
+  int T;           // tokens of query and out
+  // Split requests (varlen.h, VarlenTile): requests of at most split_q tokens whose CTAs are few
+  // take splits = min(split_cap, ceil(len / split_tokens), split_target / their CTAs), if their
+  // units (8 tokens each, in request order) fit in `units`; partials at [unit row][split_cap][D].
+  int split_cap, split_tokens, split_q, split_target, units;
+  int* unit_head;  // [units][4]: first token, tokens (0: unused), splits, request
+  FastDiv div_g;   // divisor G
 };
 
 struct StoreKVParams {

@@ -52,11 +52,52 @@ inline AttnPlan plan_paged_attention(int B, int H_q, int H_kv, int Q, int D, i64
   return pl;
 }
 
+// paged_attention_varlen's launch (varlen.h): the grid's upper bound of tiles, the split rule's
+// constants and the split workspace, from shapes, the SM count and the kernel's occupancy only
+// (never the metadata's values). A request splits when it has at most split_q tokens and its
+// CTAs (tiles x H_kv) are fewer than split_target (two waves); splits = min(split_cap, ceil(len /
+// split_tokens), split_target / CTAs). Units (8 tokens of a split request, split_cap partials a
+// row) are budgeted to at most kVarlenSplitBytes of workspace (at least one request of split_q
+// tokens), and to no more than the call's tokens could claim.
+constexpr i64 kVarlenSplitBytes = 48ll << 20;
+
+struct VarlenPlan {
+  i64 tiles = 0;  // grid x / H_kv
+  int split_cap = 1, split_tokens = 2048, split_q = 256, split_target = 1, units = 0;
+  i64 workspace_floats = 0;  // partial O (fp16) of every unit row and split, (m, l), unit heads
+};
+
+inline VarlenPlan plan_paged_attention_varlen(i64 T, i64 B, int H_q, int H_kv, int D, i64 capacity, int num_sms,
+                                              int ctas_per_sm) {
+  VarlenPlan pl;
+  const i64 G = H_q / H_kv, rows = 16 * varlen_row_blocks();
+  pl.tiles = (T * G + rows - 1) / rows + B + 1;
+  pl.split_target = 2 * std::max(ctas_per_sm, 1) * std::max(num_sms, 1);
+  pl.split_cap = (int)std::min<i64>(16, std::max<i64>(1, (capacity + pl.split_tokens - 1) / pl.split_tokens));
+  if (pl.split_cap > 1) {
+    const i64 unit_floats = 8ll * H_q * pl.split_cap * (D / 2 + 2);
+    const i64 budget = std::max<i64>((pl.split_q + 7) / 8, kVarlenSplitBytes / 4 / unit_floats);
+    pl.units = (int)std::min<i64>(budget, (T + 7) / 8 + B);
+    pl.workspace_floats = pl.units * unit_floats + 4ll * pl.units;
+  }
+  return pl;
+}
+
+// Where the varlen plan's workspace goes in p: part_acc, part_ml, then the unit heads (which the
+// binding zeroes before the launch).
+inline void set_varlen_workspace(PagedAttnParams& p, float* ws) {
+  const i64 rows = (i64)p.units * 8 * p.H_q * p.split_cap;
+  p.part_acc = reinterpret_cast<__half*>(ws);
+  p.part_ml = ws ? reinterpret_cast<float2*>(ws + rows * (p.D / 2)) : nullptr;
+  p.unit_head = ws ? reinterpret_cast<int*>(ws + rows * (p.D / 2 + 2)) : nullptr;
+}
+
 // The divisors the kernel divides by (launch_paged_attention calls this, after the plan's
 // row_groups and num_splits are in p).
 inline void set_divisors(PagedAttnParams& p) {
   p.div_page = fastdiv_init(p.page_size), p.div_q = fastdiv_init(p.Q), p.div_hkv = fastdiv_init(p.H_kv);
   p.div_rg = fastdiv_init(p.row_groups), p.div_splits = fastdiv_init(p.num_splits);
+  p.div_g = fastdiv_init(p.G);
 }
 
 // Where the plan's workspace goes in p (part_acc first, then part_ml: D / 2 floats a partial

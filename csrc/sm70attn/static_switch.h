@@ -43,6 +43,14 @@
   X(128, 1) X(128, 4) X(128, 16) \
   X(256, 1) X(256, 4) X(256, 16)
 
+// paged_attention_varlen's kernels (varlen.cuh): X(D, MB, VEC) of the tile loop over 64-row
+// tiles (MB 4), and X(D) of the combine of split requests.
+#define SM70ATTN_VARLEN_KERNELS(X) \
+  X(64, 4, 16) X(64, 4, 8) \
+  X(128, 4, 16) X(128, 4, 8) \
+  X(256, 4, 16) X(256, 4, 8)
+#define SM70ATTN_COMBINE_VARLEN_KERNELS(X) X(64) X(128) X(256)
+
 #ifndef __CUDACC_RTC__
 namespace sm70attn {
 
@@ -74,6 +82,26 @@ inline bool combine_switch(int d, int splits, F&& f) {
 #define SM70ATTN_CASE(D_, WPR_) \
   if (d == D_ && wpr == WPR_) return f(CombineTraits<D_, WPR_>{}), true;
   SM70ATTN_COMBINE_KERNELS(SM70ATTN_CASE)
+#undef SM70ATTN_CASE
+  return false;
+}
+
+// Calls f(AttnTraits<D, MB, VEC>{}) for the listed varlen kernel; false when none is listed.
+template <class F>
+inline bool varlen_switch(int d, int mb, int vec, F&& f) {
+#define SM70ATTN_CASE(D_, MB_, VEC_) \
+  if (d == D_ && mb == MB_ && vec == VEC_) return f(AttnTraits<D_, MB_, VEC_>{}), true;
+  SM70ATTN_VARLEN_KERNELS(SM70ATTN_CASE)
+#undef SM70ATTN_CASE
+  return false;
+}
+
+// Calls f(CombineVarlenTraits<D>{}) for the listed kernel; false when none is listed.
+template <class F>
+inline bool combine_varlen_switch(int d, F&& f) {
+#define SM70ATTN_CASE(D_) \
+  if (d == D_) return f(CombineVarlenTraits<D_>{}), true;
+  SM70ATTN_COMBINE_VARLEN_KERNELS(SM70ATTN_CASE)
 #undef SM70ATTN_CASE
   return false;
 }

@@ -205,6 +205,20 @@ struct CombineTraits {
   static_assert(WPR == 1 || WPR == 4 || WPR == 16, "warps per row: combine_warps_per_row");
 };
 
+// The combine of paged_attention_varlen's split requests (varlen.cuh): a unit of 8 tokens a
+// CTA, one warp a row.
+template <int D_>
+struct CombineVarlenTraits {
+  static constexpr int D = D_, WARPS = 8, THREADS = 32 * WARPS, SMEM_BYTES = 0, MIN_BLOCKS = 2;
+  static_assert(D % 64 == 0, "head dim");
+};
+
+// paged_attention_varlen's tiles: 64 rows (MB 4) for every head dim, the rows position-major;
+// its kernel takes kVarlenSmemExtra bytes of shared memory past its traits' SMEM_BYTES (the
+// tile's request: varlen.h).
+__host__ __device__ constexpr int varlen_row_blocks() { return 4; }
+constexpr int kVarlenSmemExtra = 32;
+
 // store_kv: one thread quantizes 8 consecutive elements (or single elements on the slow path).
 struct StoreKVTraits {
   static constexpr int THREADS = 256;

@@ -13,3 +13,5 @@ namespace sm70attn { extern unsigned char smem[100 * 1024]; }
 template <class KT> void launch_attn(dim3 grid, const sm70attn::PagedAttnParams& a);
 template <class KT, class At> void launch_attn_rf(dim3 grid, const sm70attn::PagedAttnParams& a);
 template <class CT> void launch_combine(dim3 grid, const sm70attn::PagedAttnParams& a);
+template <class KT> void launch_varlen(dim3 grid, const sm70attn::PagedAttnParams& a);
+template <class CT> void launch_combine_varlen(dim3 grid, const sm70attn::PagedAttnParams& a);

@@ -151,6 +151,21 @@ inline float __shfl_xor_sync(unsigned, float x, int o) {
   __syncwarp();
   return y;
 }
+// An int through the float exchange buffer, bit for bit: from lane src (own lane if out of range).
+inline int emu_shfl_int(int x, int src) {
+  const int t = emu::cur, base = t & ~31;
+  memcpy(&emu::shfl[t], &x, 4);
+  __syncwarp();
+  int y;
+  memcpy(&y, &emu::shfl[base + (src >= 0 && src < 32 ? src : (t & 31))], 4);
+  __syncwarp();
+  return y;
+}
+inline int __shfl_up_sync(unsigned, int x, int d) {
+  const int lane = emu::cur & 31;
+  return emu_shfl_int(x, lane >= d ? lane - d : lane);
+}
+inline int __shfl_sync(unsigned, int x, int src) { return emu_shfl_int(x, src); }
 inline unsigned __ballot_sync(unsigned, int pred) {
   const int t = emu::cur, base = t & ~31;
   emu::shfl[t] = pred ? 1.f : 0.f;

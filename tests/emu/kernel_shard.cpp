@@ -6,6 +6,7 @@
 #include "emu_atoms.h"
 #include "sm70attn/paged_attention.cuh"
 #include "sm70attn/paged_attention_rf.cuh"
+#include "sm70attn/varlen.cuh"
 
 #ifndef EMU_SHARDS
 #define EMU_SHARDS 1
@@ -41,6 +42,17 @@ void launch_combine(dim3 grid, const PagedAttnParams& a) {
   launch(grid, CT::THREADS, [&] { combine_kernel<CT>(a); });
 }
 
+template <class KT>
+void launch_varlen(dim3 grid, const PagedAttnParams& a) {
+  static_assert(KT::SMEM_BYTES + kVarlenSmemExtra <= sizeof(smem), "");
+  launch(grid, KT::THREADS, [&] { paged_attention_varlen_kernel<KT>(a); });
+}
+
+template <class CT>
+void launch_combine_varlen(dim3 grid, const PagedAttnParams& a) {
+  launch(grid, CT::THREADS, [&] { combine_varlen_kernel<CT>(a); });
+}
+
 // Instantiating Shard<T, true> compiles the launcher of T; Shard<T, false> compiles nothing.
 template <class T, bool mine>
 struct Shard {
@@ -60,6 +72,19 @@ template <int D, int WPR>
 struct Shard<CombineTraits<D, WPR>, true> {
   static void* launcher() { return (void*)&launch_combine<CombineTraits<D, WPR>>; }
 };
+template <class KT>
+struct VarlenKernel {};  // the varlen tile loop of these traits
+template <class KT>
+struct Shard<VarlenKernel<KT>, true> {
+  static void* launcher() { return (void*)&launch_varlen<KT>; }
+};
+template <int D>
+struct Shard<CombineVarlenTraits<D>, true> {
+  static void* launcher() { return (void*)&launch_combine_varlen<CombineVarlenTraits<D>>; }
+};
+#define EMU_VARLEN(D, MB, VEC) \
+  template struct Shard<VarlenKernel<AttnTraits<D, MB, VEC>>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
+#define EMU_COMBINE_VARLEN(D) template struct Shard<CombineVarlenTraits<D>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
 #define EMU_ATTN(D, MB, VEC) template struct Shard<AttnTraits<D, MB, VEC>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
 #define EMU_ATTN_RF(D, MB, VEC)                                                                                   \
   template struct Shard<RfKernel<AttnRfTraits<D, MB, VEC>, MmaM8N8K4>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>; \
@@ -68,3 +93,5 @@ struct Shard<CombineTraits<D, WPR>, true> {
 SM70ATTN_ATTN_KERNELS(EMU_ATTN)
 SM70ATTN_RF_KERNELS(EMU_ATTN_RF)
 SM70ATTN_COMBINE_KERNELS(EMU_COMBINE)
+SM70ATTN_VARLEN_KERNELS(EMU_VARLEN)
+SM70ATTN_COMBINE_VARLEN_KERNELS(EMU_COMBINE_VARLEN)

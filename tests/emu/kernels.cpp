@@ -184,6 +184,138 @@ void check(const char* name, Problem& p, int num_sms, int force_splits = 0) {
   fflush(stdout);
 }
 
+// paged_attention_varlen: p's caches and table (its B requests; its q unused), packed query rows
+// [T, H_q, D], query_start_loc qsl [B + 1] as given (any values: the reference reads them as
+// varlen.h says the kernel does). split_tokens > 0: split requests of up to split_q tokens every
+// split_tokens tokens (tiny problems reach the split path).
+struct Varlen {
+  std::vector<int> qsl;
+  int T;
+  std::vector<unsigned short> q;
+};
+
+Varlen make_varlen(const Problem& p, std::vector<int> qsl, int T) {
+  Varlen v{qsl, T, std::vector<unsigned short>((size_t)T * p.H_q * p.D)};
+  for (auto& x : v.q) x = __half_as_ushort(__float2half_rn(frand() * 2));
+  return v;
+}
+
+// Request b's tokens [start, end) as the kernel reads query_start_loc (varlen.h).
+std::vector<std::pair<int, int>> varlen_requests(const Problem& p, const Varlen& v) {
+  std::vector<std::pair<int, int>> r;
+  int end = 0;
+  for (int b = 0; b < p.B; ++b) {
+    const int start = end;
+    end = std::max(end, std::min(std::max(v.qsl[b + 1], 0), v.T));
+    r.push_back({start, end});
+  }
+  return r;
+}
+
+std::vector<double> varlen_reference(const Problem& p, const Varlen& v) {
+  std::vector<double> out((size_t)v.T * p.H_q * p.D, 0.0);
+  const int G = p.H_q / p.H_kv, cap = p.max_pages * p.page_size;
+  const auto req = varlen_requests(p, v);
+  for (int b = 0; b < p.B; ++b) {
+    const int len = std::min(std::max(p.seq_lens[b], 0), cap), q = req[b].second - req[b].first;
+    for (int i = 0; i < q; ++i)
+      for (int h = 0; h < p.H_q; ++h) {
+        const int kvh = h / G, tok = req[b].first + i;
+        const double ks = p.ks[p.ks.size() == 1 ? 0 : kvh], vs = p.vs[p.vs.size() == 1 ? 0 : kvh];
+        const unsigned short* qr = &v.q[((size_t)tok * p.H_q + h) * p.D];
+        std::vector<double> sc;
+        std::vector<i64> base;
+        for (int t = 0; t <= len - q + i; ++t) {
+          const int page = p.block_table[(size_t)b * p.max_pages + t / p.page_size];
+          if (page < 0 || page >= p.P) continue;
+          const i64 off = page * p.s_page + (t % p.page_size) * p.s_tok + kvh * p.s_head;
+          double s = 0;
+          for (int d = 0; d < p.D; ++d) s += (double)__half2float(__ushort_as_half(qr[d])) * e4m3_value(p.kv[p.k_off + off + d]) * ks;
+          sc.push_back(s * p.scale), base.push_back(off);
+        }
+        if (sc.empty()) continue;
+        const double m = *std::max_element(sc.begin(), sc.end());
+        double l = 0;
+        for (auto& x : sc) l += (x = std::exp(x - m));
+        double* o = &out[((size_t)tok * p.H_q + h) * p.D];
+        for (size_t k = 0; k < sc.size(); ++k)
+          for (int d = 0; d < p.D; ++d) o[d] += sc[k] / l * e4m3_value(p.kv[p.v_off + base[k] + d]) * vs;
+      }
+  }
+  return out;
+}
+
+std::vector<unsigned short> run_varlen(Problem& p, Varlen& v, int num_sms, int split_tokens, int* units_used) {
+  const i64 cap = (i64)p.max_pages * p.page_size;
+  VarlenPlan plan = plan_paged_attention_varlen(v.T, p.B, p.H_q, p.H_kv, p.D, cap, num_sms, 1);
+  if (split_tokens > 0) {  // the rule with small numbers (workspace re-sized as the plan sizes it)
+    plan.split_tokens = split_tokens, plan.split_cap = 4;
+    const i64 unit_floats = 8ll * p.H_q * plan.split_cap * (p.D / 2 + 2);
+    plan.units = (int)std::min<i64>(6, (v.T + 7) / 8 + p.B);
+    plan.workspace_floats = plan.units * unit_floats + 4ll * plan.units;
+  }
+  auto* qv = new std::vector<unsigned short>(v.q);
+  auto* kv = new std::vector<unsigned char>(p.kv);
+  auto *bt = new std::vector<int>(p.block_table), *sl = new std::vector<int>(p.seq_lens), *qs = new std::vector<int>(v.qsl);
+  auto *ks = new std::vector<float>(p.ks), *vs = new std::vector<float>(p.vs);
+  std::vector<unsigned short> out((size_t)v.T * p.H_q * p.D, 0x7E00);  // poisoned (NaN)
+  std::vector<float> ws(plan.workspace_floats, std::nanf(""));
+  PagedAttnParams a{};
+  a.q = reinterpret_cast<const __half*>(qv->data());
+  a.q_stride_b = (i64)p.H_q * p.D, a.q_stride_h = p.D;
+  a.k = kv->data() + p.k_off, a.v = kv->data() + p.v_off;
+  a.k_stride_page = a.v_stride_page = p.s_page, a.k_stride_tok = a.v_stride_tok = p.s_tok;
+  a.k_stride_head = a.v_stride_head = p.s_head;
+  a.block_table = bt->data(), a.bt_stride_b = p.max_pages, a.seq_lens = sl->data(), a.seq_lens_stride = 1;
+  a.qsl = qs->data();
+  a.k_scale = ks->data(), a.v_scale = vs->data();
+  a.k_scale_stride = p.ks.size() == 1 ? 0 : 1, a.v_scale_stride = p.vs.size() == 1 ? 0 : 1;
+  a.out = reinterpret_cast<__half*>(out.data());
+  a.B = p.B, a.H_q = p.H_q, a.H_kv = p.H_kv, a.G = p.H_q / p.H_kv, a.Q = 1, a.D = p.D, a.T = v.T;
+  a.page_size = p.page_size, a.max_pages = p.max_pages, a.num_pages = p.P, a.rows = a.G;
+  a.row_groups = 1, a.num_splits = 1;
+  a.split_cap = plan.split_cap, a.split_tokens = plan.split_tokens, a.split_q = plan.split_q;
+  a.split_target = plan.split_target, a.units = plan.units;
+  a.scale_log2 = (float)(p.scale * 1.4426950408889634);
+  a.q_vec16 = 1;
+  set_varlen_workspace(a, plan.workspace_floats ? ws.data() : nullptr);
+  for (int i = 0; i < 4 * plan.units; ++i) a.unit_head[i] = 0;
+  set_divisors(a);
+  const int vec = (p.k_off % 16 == 0 && p.v_off % 16 == 0 && p.s_page % 16 == 0 && p.s_tok % 16 == 0 && p.s_head % 16 == 0) ? 16 : 8;
+  if (!varlen_switch(p.D, varlen_row_blocks(), vec, [&](auto kt) {
+        launch_varlen<decltype(kt)>(dim3((unsigned)(plan.tiles * p.H_kv), plan.split_cap), a);
+      })) abort();
+  int used = 0;
+  for (int u = 0; u < plan.units; ++u) used += a.unit_head[4 * u + 1] > 0;
+  if (units_used) *units_used = used;
+  if (plan.units > 0) combine_varlen_switch(p.D, [&](auto ct) { launch_combine_varlen<decltype(ct)>(dim3(plan.units), a); });
+  delete qv; delete kv; delete bt; delete sl; delete qs; delete ks; delete vs;
+  return out;
+}
+
+void check_varlen(const char* name, Problem& p, Varlen& v, int num_sms, int split_tokens = 0, int want_units = -1) {
+  int units = 0;
+  auto out = run_varlen(p, v, num_sms, split_tokens, &units);
+  auto ref = varlen_reference(p, v);
+  double max_err = 0, max_ref = 0, worst = 0;
+  bool nan = false, zero_ok = true;
+  for (double r : ref) max_ref = std::max(max_ref, std::fabs(r));
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double o = __half2float(__ushort_as_half(out[i]));
+    if (std::isnan(o)) nan = true;
+    max_err = std::max(max_err, std::fabs(o - ref[i]));
+    worst = std::max(worst, std::fabs(o - ref[i]) / (std::fabs(ref[i]) * 0x1p-10 + max_ref * 0x1p-10));
+    if (ref[i] == 0.0 && out[i] != 0 && out[i] != 0x8000) zero_ok = false;
+  }
+  const bool units_ok = want_units < 0 || units == want_units;
+  const bool ok = !nan && zero_ok && worst <= 1.0 && units_ok;
+  failures += !ok;
+  printf("%-34s B%d T%d Hq%d Hkv%d D%d pg%d units %d  max|ref| %.3f  max err %.2e (%.2f of tol) %s%s%s%s\n", name, p.B,
+         v.T, p.H_q, p.H_kv, p.D, p.page_size, units, max_ref, max_err, worst, nan ? "NaN " : "",
+         zero_ok ? "" : "NONZERO-EMPTY ", units_ok ? "" : "UNITS ", ok ? "ok" : "FAIL");
+  fflush(stdout);
+}
+
 int main(int argc, char** argv) {
   const char* only = argc > 1 ? argv[1] : "";
   auto want = [&](const char* n) { return strstr(n, only) != nullptr; };
@@ -240,6 +372,54 @@ int main(int argc, char** argv) {
                 }
     printf("plan: %d shapes, %d bad %s\n", n, bad, bad ? "FAIL" : "ok");
     failures += bad != 0;
+  }
+  if (want("varlen")) {  // paged_attention_varlen: a decode, a verify, an empty request, a whole
+    // prompt, a chunk over a past, padding tokens; each head dim, G 1 and 6, unsplit and split
+    for (int D : {64, 128, 256})
+      for (int G : {1, 6}) {
+        const int H_kv = D == 256 ? 1 : 2;
+        Problem p = make(5, G * H_kv, H_kv, 1, D, 16, 60, 14, 0, true);
+        p.seq_lens = {40, 105, 9, 23, 200};           // request lengths (past + new)
+        Varlen v = make_varlen(p, {0, 1, 9, 9, 32, 44}, 47);  // 1, 8, 0, 23 (whole), 12 over 188; 3 pad
+        char name[64];
+        snprintf(name, sizeof name, "varlen D%d G%d", D, G);
+        check_varlen(name, p, v, 4);
+        snprintf(name, sizeof name, "varlen D%d G%d split", D, G);
+        check_varlen(name, p, v, 4, 32, -1);
+      }
+    for (int split : {0, 32}) {  // a request alone and in the batch: the same bits
+      Problem p = make(5, 12, 2, 1, 128, 16, 60, 14, 0, true);
+      p.seq_lens = {40, 105, 9, 23, 200};
+      Varlen v = make_varlen(p, {0, 1, 9, 9, 32, 44}, 47);
+      Problem one = p;
+      one.B = 1, one.seq_lens = {200};
+      one.block_table.assign(p.block_table.begin() + 4 * p.max_pages, p.block_table.begin() + 5 * p.max_pages);
+      Varlen v1{{0, 12}, 12, std::vector<unsigned short>(v.q.begin() + 32 * 12 * 128, v.q.begin() + 44 * 12 * 128)};
+      const auto all = run_varlen(p, v, 4, split, nullptr), alone = run_varlen(one, v1, 4, split, nullptr);
+      const bool same = std::equal(alone.begin(), alone.end(), all.begin() + 32 * 12 * 128);
+      failures += !same;
+      printf("varlen alone == batched (split %d): %s\n", split, same ? "ok" : "FAIL");
+    }
+    {  // the unit budget: 6 units; requests of 1, 8, 9 and 20 tokens claim 1, 1, 2, 3: the last runs unsplit
+      Problem p = make(4, 12, 2, 1, 128, 16, 80, 20, 0, false);
+      p.seq_lens = {300, 280, 260, 250};
+      Varlen v = make_varlen(p, {0, 1, 9, 18, 38}, 38);
+      check_varlen("varlen budget", p, v, 4, 32, 4);
+    }
+    {  // bad metadata: qsl not starting at 0, decreasing, past T; lengths < q, > capacity, < 0; bad pages
+      Problem p = make(5, 8, 2, 1, 64, 7, 40, 9, 1, true);  // interleaved 8-byte aligned K/V, page 7
+      p.seq_lens = {3, 70, -5, 1000, 30};
+      p.block_table[1 * 9 + 2] = -7, p.block_table[4 * 9 + 1] = 99;
+      Varlen v = make_varlen(p, {5, 9, 4, 20, 12, 60}, 30);
+      check_varlen("varlen bad metadata", p, v, 4);
+      check_varlen("varlen bad metadata split", p, v, 4, 16);
+    }
+    {  // a long prompt: several tiles a KV head, tiles straddling pages and tokens (G 6: 64 % 6 != 0)
+      Problem p = make(1, 12, 2, 1, 64, 37, 12, 12, 0, true);
+      p.seq_lens = {420};
+      Varlen v = make_varlen(p, {0, 150}, 150);
+      check_varlen("varlen long chunk G6", p, v, 4);
+    }
   }
   if (want("decode")) {  // D128 G4 Q1, random lengths incl. 0 and > capacity
     Problem p = make(3, 8, 2, 1, 128, 16, 40, 20, 0, true);

@@ -1,0 +1,93 @@
+// paged_attention_varlen's work split, on the device (no host read of the metadata, so a CUDA
+// graph replays it for any lengths): which request and rows a CTA takes, and whether that
+// request splits its context.
+//
+// Requests: query_start_loc is read as its running maximum over entries 1 .. B, clamped to
+// [0, T]: request b's tokens are [e_{b-1}, e_b) (e_{-1} = 0), so for any metadata every token
+// of [0, T) belongs to exactly one request, and the tokens from e_{B-1} on to a padding request
+// of length 0 (its rows are written 0). For valid metadata (0 first, non-decreasing, at most T)
+// these are the requests as given. Lengths are clamped to [0, capacity].
+// Rows: request b's q tokens give q * G rows per KV head, position-major (row m = i * G + g:
+// token i, query head kvh * G + g), cut into tiles of ROWS rows; the grid's x covers an upper
+// bound of the tiles (ceil(T G / ROWS) + B + 1) times H_kv, y the most splits (split_cap).
+// Splits: see params.h. They depend on the request's own tokens and length and on shapes and
+// the device, never on the other requests, so long as the split requests before it fit in the
+// units (else it runs unsplit: the same values, other roundings).
+#pragma once
+
+#include "sm70attn/params.h"
+
+namespace sm70attn {
+
+// The CTA's request and tile, in shared memory (read again at each use, volatile: values the
+// tile loop does not need are not held in registers across it).
+struct VarlenTile {
+  volatile int* s;
+  __device__ int b() const { return s[0]; }       // request (B: the padding request); < 0: no tile
+  __device__ int start() const { return s[1]; }   // its first token
+  __device__ int q() const { return s[2]; }       // its tokens
+  __device__ int len() const { return s[3]; }     // its length (clamped)
+  __device__ int row0() const { return s[4]; }    // the tile's first row among the request's q * G
+  __device__ int splits() const { return s[5]; }  // context splits (1: the output written directly)
+  __device__ int unit() const { return s[6]; }    // its first unit (splits > 1)
+};
+
+// Warp 0 scans the requests 32 at a time (inclusive scans of the running end, the tiles and
+// the units); the tile's request is handed to the CTA through shared memory (sh, 7 ints).
+// Every thread calls it (one barrier).
+template <int ROWS>
+__device__ __forceinline__ VarlenTile varlen_tile(const PagedAttnParams& p, int tile, int* sh) {
+  if (threadIdx.x < 32) {
+    const unsigned all = 0xffffffffu;
+    const int lane = threadIdx.x, capacity = p.max_pages * p.page_size;
+    int carry_end = 0, carry_tiles = 0, carry_units = 0;
+    bool found = false;
+    for (int c = 0; c <= p.B && !found; c += 32) {
+      const int b = c + lane;
+      int e = 0, len = 0;
+      if (b < p.B) {
+        e = min(max(__ldg(p.qsl + b + 1), 0), p.T);
+        len = min(max(__ldg(p.seq_lens + (i64)b * p.seq_lens_stride), 0), capacity);
+      } else if (b == p.B) {
+        e = p.T;
+      }
+      int end = max(e, carry_end), tiles_incl, units_incl;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(all, end, o);
+        if (lane >= o) end = max(end, y);
+      }
+      int start = __shfl_up_sync(all, end, 1);
+      if (lane == 0) start = carry_end;
+      const int q = end - start;  // 0 past the padding request
+      const int tiles = (q * p.G + ROWS - 1) / ROWS;
+      int splits = 1, units = 0;
+      if (b < p.B && q > 0 && q <= p.split_q && p.split_cap > 1) {
+        splits = min(p.split_cap, (len + p.split_tokens - 1) / p.split_tokens);
+        splits = max(1, min(splits, p.split_target / (tiles * p.H_kv)));  // (len 0: 1)
+        if (splits > 1) units = (q + 7) / 8;
+      }
+      tiles_incl = tiles, units_incl = units;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(all, tiles_incl, o), u = __shfl_up_sync(all, units_incl, o);
+        if (lane >= o) tiles_incl += t, units_incl += u;
+      }
+      tiles_incl += carry_tiles, units_incl += carry_units;
+      if (units > 0 && units_incl > p.units) splits = 1, units = 0;  // over the budget
+      const bool mine = tile >= tiles_incl - tiles && tile < tiles_incl;
+      found = __ballot_sync(all, mine) != 0u;
+      if (mine) {
+        sh[0] = b, sh[1] = start, sh[2] = q, sh[3] = len;
+        sh[4] = (tile - (tiles_incl - tiles)) * ROWS, sh[5] = splits, sh[6] = units_incl - units;
+      }
+      carry_end = __shfl_sync(all, end, 31), carry_tiles = __shfl_sync(all, tiles_incl, 31);
+      carry_units = __shfl_sync(all, units_incl, 31);
+    }
+    if (lane == 0 && !found) sh[0] = -1;
+  }
+  __syncthreads();
+  return VarlenTile{sh};
+}
+
+}  // namespace sm70attn
