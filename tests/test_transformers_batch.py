@@ -17,10 +17,10 @@ from test_transformers import (  # noqa: E402
     VS,
     E4M3DynamicCache,
     QuantizedDynamicCache,
-    dense,
-    rowwise,
     counting_backend,
+    dense,
     near_tie,
+    rowwise,
     tiny,
 )
 from transformers import AttentionInterface, AutoModelForCausalLM, CompileConfig  # noqa: E402

@@ -47,7 +47,7 @@ step no-toolkit bash -c "! grep -n -e '$toolkit' -e nvcc '$ninja_file' && echo '
 # The CPU tests run in CI; here the CUDA ones (and the demo through them).
 step tests python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" ${sel:+-k "$sel"} \
   tests/test_cuda.py tests/test_compile_cuda.py tests/test_transformers_cuda.py tests/test_readme.py \
-  tests/test_adversarial.py tests/test_jit.py
+  tests/test_adversarial.py tests/test_jit.py tests/test_varlen_cuda.py
 step sanitizer "$sanitizer" --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sanitizer_smoke
 # Every kernel the launcher can pick (tools/sanitize_cells.py: 105 small cells) under each tool.
 for tool in memcheck racecheck synccheck initcheck; do

@@ -12,7 +12,10 @@ long enough for its split count; store_kv on both of its paths. The plan the bin
 each cell is read back (its `plan()` hook) and the run fails unless every listed kernel was
 reached, or if an output is not finite. Tables carry junk past the pages in use. --sweep N adds N
 seeded random valid calls (tests/problems.py: random_geometry, the GPU tests' sweep), each
-checked against the reference route."""
+checked against the reference route. paged_attention_varlen: each of its kernels (D, VEC) on a
+mixed call (decodes, a verify, chunks over pasts, a prompt, an empty request, padding tokens)
+and on short chunks over long pasts that split (its combine kernel), each against the
+reference route."""
 
 import sys
 from pathlib import Path
@@ -21,10 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")]
 
 import torch  # noqa: E402
-from problems import make_problem, op_args  # noqa: E402
+from problems import make_problem, make_varlen_problem, op_args, varlen_args  # noqa: E402
 from v100_model import combine_warps_per_row  # noqa: E402
 
 import torch_sm70attn as sa  # noqa: E402
+from torch_sm70attn import reference  # noqa: E402
 from torch_sm70attn.nvrtc import switch_entries  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -53,6 +57,27 @@ def cells(rf_kinds=("rf-m8n8k4", "rf-m16n8k16")):
         kw = dict(B=1, H_kv=1, G=4, Q=1, D=D, page_size=64, lens=[ctx])
         out.append(("auto", f"combine D{D} WPR{wpr} ctx {ctx}", kw, 16, True))
     return out, want_attn, want_comb
+
+
+def varlen_cells(only=None):
+    bad = 0
+    for D, _, vec in switch_entries("SM70ATTN_VARLEN_KERNELS"):
+        for what, ql, past in (
+            ("mixed", (1, 5, 40, 0, 19, 130, 16), (30, 7, 0, 12, 100, 0, 900)),
+            ("split", (1, 8, 40), (9000, 5000, 12000)),
+        ):
+            label = f"varlen D{D} VEC{vec} {what}"
+            if only and only not in label:
+                continue
+            kw = dict(layout="padded") if vec == 8 else {}
+            p = make_varlen_problem(ql, past, G=6, D=D, H_kv=1, device="cuda", **kw)
+            out = torch.ops.sm70attn.paged_attention_varlen(*varlen_args(p))
+            ref = reference.paged_attention_varlen(*varlen_args(p))
+            err = float((out.float() - ref.float()).abs().max())
+            ok = bool(torch.isfinite(out).all()) and err <= 2e-2
+            bad += not ok
+            print(f"{label}: max |op - reference| {err:.2e}", "ok" if ok else "BAD")
+    return bad
 
 
 def sweep(n):
@@ -120,6 +145,7 @@ def main():
     odd = torch.randn(6, 2, 65, device="cuda").half()[..., 1:]
     sa.store_kv(odd, odd, kc, kc.clone(), slots)
     torch.cuda.synchronize()
+    bad += varlen_cells(args.only)
     bad += sweep(args.sweep)
     missing = sorted(want_attn - seen_attn) + sorted(want_comb - seen_comb)
     print(f"{len(todo)} cells, {len(seen_attn)} attention and {len(seen_comb)} combine kernels")

@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Prefill over the paged E4M3 cache: torch_sm70attn.paged_attention_varlen against the route it
+replaces (paging.prefill: gather the request's pages, dequantize to float16, repeat the KV heads,
+masked SDPA) and against torch's float16 SDPA over contiguous K/V with a lower-right causal mask
+(no gather, no dequantize: the GPU's float16 reference). One request a cell: a chunk of `chunk`
+new tokens over `past` tokens already in the cache.
+
+    python tools/bench_prefill.py --json prefill.json          # the grid, on a GPU
+    python tools/bench_prefill.py --smoke                      # a few small cells
+
+Each cell: every implementation called once (warm-up, kernels compiled), then `reps` rounds
+that call each in turn, timed with CUDA events; the median is reported, with TFLOP/s = 4 D H_q x
+(positions visible, summed over the chunk's rows) / time, and the memory one call allocates on
+top of its inputs (torch.cuda.max_memory_allocated). The output of the op is checked against the
+old route's (relative error, printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+import torch_sm70attn as sa  # noqa: E402
+from torch_sm70attn import paging  # noqa: E402
+
+GRID = dict(shapes=[(256, 6, 4, 1648), (128, 4, 8, 16)], chunks=[512, 4096, 16384],
+            pasts=[0, 32768, 131072])  # fmt: skip
+SMOKE = dict(shapes=[(128, 4, 2, 16)], chunks=[64, 300], pasts=[0, 1000])
+
+
+def cell(D, G, H_kv, page, chunk, past, reps, dev):
+    H_q, L = G * H_kv, past + chunk
+    n_pages = -(-L // page)
+    g = torch.Generator(device=dev).manual_seed(0)
+    kc = (torch.randn(n_pages, page, H_kv, D, device=dev, generator=g) * 8).to(torch.float8_e4m3fn)
+    vc = (torch.randn(n_pages, page, H_kv, D, device=dev, generator=g) * 8).to(torch.float8_e4m3fn)
+    table = torch.randperm(n_pages, device=dev, generator=g).int()[None]
+    lens = torch.tensor([L], dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0, chunk], dtype=torch.int32, device=dev)
+    q = torch.randn(chunk, H_q, D, device=dev, generator=g, dtype=torch.float16)
+    ks = torch.full((1,), 0.12, device=dev)
+    vs = torch.full((1,), 0.1, device=dev)
+    scale = D**-0.5
+    q4 = q.transpose(0, 1)[None]  # [1, H_q, chunk, D]: the old route's layout
+    # contiguous float16 K/V of the same values, heads repeated (flash attention's layout)
+    k16 = paging.dequantized(kc, table, ks, torch.float16)[0, :L].transpose(0, 1)
+    v16 = paging.dequantized(vc, table, vs, torch.float16)[0, :L].transpose(0, 1)
+    k16 = k16.repeat_interleave(G, 0)[None].contiguous()
+    v16 = v16.repeat_interleave(G, 0)[None].contiguous()
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(chunk, L)
+    impls = {
+        "ours": lambda: sa.paged_attention_varlen(
+            q, kc, vc, table, qsl, lens, scale=scale, k_scale=ks, v_scale=vs
+        ),
+        "today": lambda: paging.prefill(q4, kc, vc, table, lens, scale, ks, vs, fresh=past == 0),
+        "sdpa_fp16": lambda: F.scaled_dot_product_attention(
+            q4, k16, v16, attn_mask=mask if past else None, is_causal=not past, scale=scale
+        ),
+    }
+    res = {}
+    ours = impls["ours"]()
+    today = impls["today"]()[0].transpose(0, 1)
+    err = ((ours.double() - today.double()).norm() / today.double().norm()).item()
+    for name, fn in impls.items():  # memory on top of the inputs, one call each
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        res[name] = {"extra_mb": (torch.cuda.max_memory_allocated() - base) / 2**20}
+        del out
+    times = {name: [] for name in impls}
+    for _ in range(reps):
+        for name, fn in impls.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times[name].append(a.elapsed_time(b))
+    flops = 4 * D * H_q * (chunk * past + chunk * (chunk + 1) / 2)
+    for name in impls:
+        ms = statistics.median(times[name])
+        res[name].update(ms=ms, tflops=flops / ms / 1e9)
+    return {"cell": dict(D=D, G=G, H_kv=H_kv, chunk=chunk, past=past, page=page),
+            "rel_err_vs_today": err, **res}  # fmt: skip
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    grid = SMOKE if args.smoke else GRID
+    rows = []
+    print("| D | G | H_kv | page | chunk | past | ours ms | TFLOP/s | MB | today ms | MB | "
+          "fp16 SDPA ms | TFLOP/s | ours / SDPA | err |")  # fmt: skip
+    print("|---" * 15 + "|")
+    for D, G, H_kv, page in grid["shapes"]:
+        for chunk in grid["chunks"]:
+            for past in grid["pasts"]:
+                reps = max(2, args.reps if chunk * (past + chunk) < 2**31 else args.reps // 2)
+                r = cell(D, G, H_kv, page, chunk, past, reps, "cuda")
+                rows.append(r)
+                o, t, s = r["ours"], r["today"], r["sdpa_fp16"]
+                print(f"| {D} | {G} | {H_kv} | {page} | {chunk} | {past} | {o['ms']:.3f} | "
+                      f"{o['tflops']:.0f} | {o['extra_mb']:.0f} | {t['ms']:.3f} | {t['extra_mb']:.0f} | "
+                      f"{s['ms']:.3f} | {s['tflops']:.0f} | {o['ms'] / s['ms']:.2f} | "
+                      f"{r['rel_err_vs_today']:.1e} |", flush=True)  # fmt: skip
+                torch.cuda.empty_cache()
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
