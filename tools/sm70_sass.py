@@ -351,7 +351,11 @@ def disassemble(args):
     r = analyse(kernels[entry])
     r["regs"] = regs
     inner = r.get("inner_loops", [])
-    trips = trip_counts(arch, traits, header, [x["for"] for x in inner])
+    # the loops' constants are those of the header their `for` is in (varlen.cuh's kernel runs
+    # paged_attention.cuh's tile loop)
+    files = {(x.get("for") or "").split(":")[0] for x in inner} - {""}
+    src = files.pop() if len(files) == 1 else header
+    trips = trip_counts(arch, traits, src, [x["for"] for x in inner])
     for x, n in zip(inner, trips, strict=True):
         x["trips"] = None if n is None else -(-n // x["step"])  # trips of the unrolled loop
     if "main_loop" in r and all(x["trips"] is not None for x in inner):
