@@ -99,10 +99,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def varlen_attention_fp64(
     query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, k_scale,
-    v_scale,
+    v_scale, *, clamp=False,
 ):  # fmt: skip
     """FP64 paged_attention_varlen: request b's rows as attention_fp64's rows of a request of
-    Q = its row count; rows from query_start_loc[B] on are 0. float64 [T, H_q, D], CPU."""
+    Q = its row count (clamp: as there); rows from query_start_loc[B] on are 0. float64
+    [T, H_q, D], CPU."""
     T, H_q, D = query.shape
     out = torch.zeros(T, H_q, D, dtype=torch.float64)
     qsl = query_start_loc.tolist()
@@ -112,7 +113,7 @@ def varlen_attention_fp64(
             q = query[s:e].transpose(0, 1)[None]
             o = attention_fp64(
                 q, key_cache, value_cache, block_table[b : b + 1], seq_lens[b : b + 1], scale,
-                k_scale, v_scale,
+                k_scale, v_scale, clamp=clamp,
             )  # fmt: skip
             out[s:e] = o[0].transpose(0, 1)
     return out

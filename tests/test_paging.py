@@ -35,9 +35,9 @@ def test_a_step_with_left_padding_stores_the_real_tokens_only():
     valid = torch.tensor([[False, False, True, True, True], [True] * 5])
     st.advance(5, valid)
     assert st.lens.tolist() == [3, 5]
-    plan = st.plan(5, valid, pages=2, fresh=False)
+    plan = st.plan(5, valid, pages=2)
     assert plan.table is st.table and plan.lens is st.lens and plan.valid is valid
-    assert (plan.rows, plan.pages, plan.fresh) == (5, 2, False)
+    assert (plan.rows, plan.pages) == (5, 2)
     # request 0: padding -1, then positions 0..2 of pages 0..; request 1: positions 0..4 of
     # pages 3, 4 (slots 12..16)
     assert plan.slots.tolist() == [-1, -1, 0, 1, 2, 12, 13, 14, 15, 16]

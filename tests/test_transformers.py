@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from oracle import rel_err  # noqa: E402
+from oracle import attention_fp64, rel_err  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config  # noqa: E402
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
@@ -118,25 +118,22 @@ def test_prompt_lookup_verify_steps_emit_the_greedy_tokens(model, monkeypatch):
     assert cache.get_seq_length() == spec.shape[1] - 1  # the last token is not stored yet
 
 
-def test_prefill_route_matches_the_op():
-    """More than 16 rows (a prompt) take SDPA over the dequantized pages: same numbers as
-    the op's reference, which applies the same rule to any number of rows."""
+def test_prefill_route_is_the_varlen_op_of_the_packed_rows():
+    """More than 16 rows (a prompt, a chunk over a past) are packed for paged_attention_varlen:
+    on the CPU the same bits as paged_attention's reference, which applies the same rule to any
+    number of rows (left padding: rows that see nothing are 0)."""
     g = torch.Generator().manual_seed(3)
-    B, H, G, D, ps, P, W, Q = 2, 2, 4, 128, 16, 12, 4, 21
+    B, H, G, D, ps, P, W, Q = 3, 2, 4, 128, 16, 12, 4, 21
     q = torch.randn(B, H * G, Q, D, generator=g).half()
     kc = (torch.randn(P, ps, H, D, generator=g) * 8).to(FP8)
     vc = (torch.randn(P, ps, H, D, generator=g) * 8).to(FP8)
     bt = torch.randperm(P, generator=g)[: B * W].view(B, W).int()
-    sl = torch.tensor([Q, 50], dtype=torch.int32)
+    sl = torch.tensor([Q, 50, 9], dtype=torch.int32)  # a prompt, a chunk, 12 rows of padding
     ks, vs = torch.tensor([0.05, 0.07]), torch.tensor([0.04, 0.03])
     got = paging.prefill(q, kc, vc, bt, sl, D**-0.5, ks, vs)
     want = sa.paged_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
-    assert rel_err(got, want.double()) < 2e-3
-    # a fresh prompt (every request holds just its Q tokens): causal attention, no mask
-    sl = torch.tensor([Q, Q], dtype=torch.int32)
-    got = paging.prefill(q, kc, vc, bt, sl, D**-0.5, ks, vs, fresh=True)
-    want = sa.paged_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
-    assert rel_err(got, want.double()) < 2e-3
+    assert torch.equal(got, want) and got[2, :, :12].eq(0).all()
+    assert rel_err(got, attention_fp64(q, kc, vc, bt, sl, D**-0.5, ks, vs)) < 2e-3
 
 
 def test_scales_calibrated_per_kv_head_at_the_first_write(model):
@@ -260,7 +257,7 @@ def test_cache_pages_slots_and_stored_values():
 
     (k, _), got = step(20)  # a prompt of 20 tokens: 6 pages, 3 per request, 2 of them in use
     layer, plan = got[1]
-    assert plan.fresh and plan.pages == 2 and plan.lens.tolist() == [20, 20]
+    assert plan.pages == 2 and plan.lens.tolist() == [20, 20]
     assert plan.table.tolist() == [[0, 1, 2], [3, 4, 5]] and plan.rows == 20
     assert plan.slots.view(2, 20)[1, 19] == 4 * 16 + 3 and got[0][1] is plan  # layer 0's plan
     assert layer.k_scale.tolist() == [0.5, 0.5] and layer.v_scale.shape == (2,)  # v calibrated
@@ -269,7 +266,7 @@ def test_cache_pages_slots_and_stored_values():
     assert cache.plan is None  # the forward is over
     (k, _), got = step(4)  # 4 more: positions 20..23, same pages
     plan = got[0][1]
-    assert not plan.fresh and plan.lens.tolist() == [24, 24] and cache.get_seq_length() == 24
+    assert plan.pages is None and plan.lens.tolist() == [24, 24] and cache.get_seq_length() == 24
     cache.crop(-3)  # reject 3: the next token is position 21, in the slot of a rejected one
     (k, _), got = step(1)
     assert got[0][1].lens.tolist() == [22, 22]
@@ -332,13 +329,13 @@ def test_compiled_decode_and_verify_steps_have_no_graph_break(model):
     assert graphs == [ops, ops], graphs  # Q 1 and Q 4
 
 
-def test_whole_model_compiled_prompt_traces_whole_and_keeps_its_prefill_quietly(model, caplog):
+def test_whole_model_compiled_prompt_traces_whole_through_the_varlen_op(model, caplog):
     """torch.compile(model, backend="sm70attn") over the whole model, the prompt compiled too
     (fullgraph: a graph break is an error). Given scales are checked when the cache is made, so
-    the first forward reads no scale data (it broke the graph in `paging.device_scale`); the prompt's SDPA
-    over the dequantized pages (the attention's prefill route: more rows than the kernels
-    take) is kept by the pass without a refusal warning (it warned "query is torch.float32, not float16" on a CPU). The
-    prompt's and the decode steps' logits equal eager's."""
+    the first forward reads no scale data (it broke the graph in `paging.device_scale`); the
+    prompt's attention (more rows than the decode kernels take) is paged_attention_varlen in
+    the graph, no SDPA left for the pass to keep or refuse. The prompt's and the decode steps'
+    logits equal eager's."""
     import logging
 
     from torch._dynamo.utils import counters
@@ -360,12 +357,14 @@ def test_whole_model_compiled_prompt_traces_whole_and_keeps_its_prefill_quietly(
     with caplog.at_level(logging.WARNING, logger="torch_sm70attn"):
         got = run(compiled)
     assert not [r for r in caplog.records if "slow gather path" in r.getMessage()], caplog.text
-    assert counters["sm70attn"]["sdpa_prefill_kept"] == 2  # the prompt graph's two layers
+    assert counters["sm70attn"]["sdpa_prefill_kept"] == 0
     assert counters["sm70attn"]["sdpa_refused"] == 0
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=2e-3)
         assert torch.equal(g.argmax(-1), w.argmax(-1))
     assert len(graphs) == 2  # the prompt, one decode step
+    assert graphs[0].count("sm70attn.paged_attention_varlen.default") == 2, graphs[0]  # 2 layers
+    assert "sm70attn.paged_attention.default" not in graphs[0]
     with pytest.raises(ValueError, match="k_scale must be finite and > 0"):
         hf.PagedE4M3Cache(model.config, k_scale=[0.05, -1.0])
 

@@ -10,7 +10,12 @@ from problems import make_problem, make_varlen_problem, op_args, varlen_args
 
 import torch_sm70attn as sa
 
-UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+UTILS = (
+    "test_schema",
+    "test_autograd_registration",
+    "test_faketensor",
+    "test_aot_dispatch_dynamic",
+)
 # q_lens, pasts: a decode, a verify, a whole prompt, an empty request, a chunk over a past,
 # a prompt of more rows than the reference's row block
 MIXED = dict(q_lens=(1, 5, 40, 0, 19, 300), pasts=(30, 7, 0, 12, 100, 20))

@@ -172,7 +172,7 @@ def test_mixed_batch():
     step = Step([(40, 1), (100, 8), (17, 1), (0, 37), (50, 30)], pad=2)
     out, m, _ = run(step)
     assert (m.num_decodes, m.rows, m.uniform) == (3, 8, False)
-    assert [p[0] for p in m.prefills] == [3, 4]
+    assert (m.num_reqs, m.decode_only) == (5, False)
     check(step, out)
 
 
@@ -181,7 +181,7 @@ def test_uniform_verify_batch_with_padded_requests():
     tokens and length 0."""
     step = Step([(33, 8), (70, 8), (8, 8)], pad_reqs=2, pad=16, seed=1)
     out, m, _ = run(step)
-    assert (m.num_decodes, m.rows, m.uniform, m.prefills) == (5, 8, True, [])
+    assert (m.num_decodes, m.rows, m.uniform, m.decode_only) == (5, 8, True, True)
     check(step, out)
     step = Step([(33, 8), (70, 8), (8, 8)], pad_reqs=2, seed=1)  # tokens not padded: ragged
     out, m, _ = run(step)
@@ -198,14 +198,44 @@ def test_short_prompt_is_a_decode_and_verify_threshold():
     without speculative decoding the threshold is 1 (plain decodes)."""
     step = Step([(9, 1), (0, 5), (20, 3)], seed=2)
     out, m, _ = run(step)
-    assert (m.num_decodes, m.prefills) == (3, [])
+    assert (m.num_decodes, m.decode_only) == (3, True)
     check(step, out)
     b = builder(vllm_config(drafts=0))
     assert b.reorder_batch_threshold == 1
     step = Step([(9, 1), (0, 5), (20, 3)], seed=2)
     out, m, _ = run(step, b)
-    assert m.num_decodes == 1 and [p[0] for p in m.prefills] == [1, 2]
+    assert m.num_decodes == 1 and not m.decode_only
     check(step, out)
+
+
+@pytest.mark.parametrize(
+    "requests, pad, op",
+    [
+        ([(40, 1), (100, 8), (17, 1), (0, 37), (50, 30)], 2, "paged_attention_varlen"),
+        ([(0, 300)], 0, "paged_attention_varlen"),  # a prompt alone
+        ([(33, 8), (70, 8), (8, 8)], 0, "paged_attention"),  # verifies only
+        ([(33, 1), (70, 1)], 3, "paged_attention"),  # decodes only
+    ],
+)
+def test_a_layer_step_is_one_op_call(monkeypatch, requests, pad, op):
+    """Whatever the mix, forward makes one attention call a layer-step, through the paging
+    core: paged_attention_varlen where a prefill or chunk is in the step, paged_attention for
+    decodes and verifies alone."""
+    calls = []
+    for name in ("paged_attention", "paged_attention_varlen"):
+        real = getattr(torch_sm70attn, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(torch_sm70attn, name, counted)
+    step = Step(requests, pad=pad, seed=4)
+    out, _, _ = run(step)
+    assert calls == [op]
+    check(step, out)
+    if op == "paged_attention_varlen":  # the padding tokens' rows: 0, not left as they were
+        assert out[int(step.qsl[-1]) :].eq(0).all()
 
 
 def test_store_writes_only_the_given_slots():
@@ -239,7 +269,7 @@ def test_startup_log_names_each_route():
         logger.removeHandler(handler)
     text = " ".join(r.getMessage() for r in records)
     assert "up to 8 query rows" in text and "paged_attention" in text, text
-    assert "prefill" in text and "SDPA over the dequantized pages" in text, text
+    assert "prefill" in text and "paged_attention_varlen" in text, text
 
 
 def test_profile_run_without_metadata():

@@ -28,21 +28,22 @@ import statistics
 import time
 
 import torch
+from bench_prefill import dequantized_sdpa  # tools/
 from transformers import AttentionInterface, DynamicCache, StaticCache
 from transformers.masking_utils import AttentionMaskInterface
 
 import torch_sm70attn as sa
-from torch_sm70attn import paging
 from torch_sm70attn.integrations import demo
 from torch_sm70attn.integrations import transformers as hf
 
-_gather_sdpa = torch.compile(paging.prefill, dynamic=True)
+_gather_sdpa = torch.compile(dequantized_sdpa, dynamic=True)
 
 
 def fp8_gather_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """The users' FP8 path today: store the new tokens (store_kv, as ours), then gather the
-    pages, dequantize, SDPA with the verifier mask (the integration's prefill route without
-    its fresh-prompt shortcut), compiled by inductor with dynamic shapes."""
+    pages, dequantize, SDPA with the verifier mask (the integrations' prefill route before
+    paged_attention_varlen, without its fresh-prompt shortcut), compiled by inductor with
+    dynamic shapes."""
     cache, layer = kwargs[hf.NAME]
     layer, plan = cache.store(layer, key, value, attention_mask)
     out = _gather_sdpa(

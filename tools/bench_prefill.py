@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Prefill over the paged E4M3 cache: torch_sm70attn.paged_attention_varlen against the route it
-replaces (paging.prefill: gather the request's pages, dequantize to float16, repeat the KV heads,
-masked SDPA) and against torch's float16 SDPA over contiguous K/V with a lower-right causal mask
+replaced (`dequantized_sdpa`, both engines' prefill until then: gather the request's pages,
+dequantize to float16, repeat the KV heads, masked SDPA) and against torch's float16 SDPA over contiguous K/V with a lower-right causal mask
 (no gather, no dequantize: the GPU's float16 reference). One request a cell: a chunk of `chunk`
 new tokens over `past` tokens already in the cache.
 
     python tools/bench_prefill.py --json prefill.json          # the grid, on a GPU
     python tools/bench_prefill.py --smoke                      # a few small cells
+
+Then the steps an engine mixes (`--json`'s "mixed" rows): a chunk beside decodes, in one
+paged_attention_varlen call against the chunk's call plus paged_attention for the decodes; and
+decodes alone through either op (why paging.attend_packed keeps decode steps on paged_attention).
 
 Each cell: every implementation called once (warm-up, kernels compiled), then `reps` rounds
 that call each in turn, timed with CUDA events; the median is reported, with TFLOP/s = 4 D H_q x
@@ -31,9 +35,29 @@ sys.path[:0] = [str(ROOT)]
 import torch_sm70attn as sa  # noqa: E402
 from torch_sm70attn import paging  # noqa: E402
 
-GRID = dict(shapes=[(256, 6, 4, 1648), (128, 4, 8, 16)], chunks=[512, 4096, 16384],
-            pasts=[0, 32768, 131072])  # fmt: skip
+GRID = dict(shapes=[(256, 6, 4, 1648), (128, 4, 8, 16)], chunks=[4096, 512, 16384],
+            pasts=[32768, 131072, 0])  # fmt: skip
+# and one chunk step over a 256K context (the memory target), D256 G6
+LONG = (256, 6, 4, 1648, 4096, 262144 - 4096)
 SMOKE = dict(shapes=[(128, 4, 2, 16)], chunks=[64, 300], pasts=[0, 1000])
+
+
+def dequantized_sdpa(query, kc, vc, table, lens, scale, ks, vs, fresh=False):
+    """The route paged_attention_varlen replaced, as the engines ran it on a GPU: query [B, H_q,
+    Q, D]; the pages dequantized to float16 and the KV heads repeated; SDPA, causal for a fresh
+    prompt, else with the op's rule as a mask; rows that see nothing 0."""
+    B, H_q, Q, D = query.shape
+    k = paging.dequantized(kc, table, ks, query.dtype)
+    v = paging.dequantized(vc, table, vs, query.dtype)
+    mask = None if fresh else sa.verifier_mask(lens, Q, k.shape[1])
+    if fresh:
+        k, v = k[:, :Q], v[:, :Q]
+    k = k.transpose(1, 2).repeat_interleave(H_q // k.shape[2], dim=1)
+    v = v.transpose(1, 2).repeat_interleave(H_q // v.shape[2], dim=1)
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, is_causal=fresh, scale=scale)
+    if mask is not None:
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0)
+    return out
 
 
 def cell(D, G, H_kv, page, chunk, past, reps, dev):
@@ -62,7 +86,7 @@ def cell(D, G, H_kv, page, chunk, past, reps, dev):
         "ours": lambda: sa.paged_attention_varlen(
             q, kc, vc, table, qsl, lens, scale=scale, k_scale=ks, v_scale=vs
         ),
-        "today": lambda: paging.prefill(q4, kc, vc, table, lens, scale, ks, vs, fresh=past == 0),
+        "today": lambda: dequantized_sdpa(q4, kc, vc, table, lens, scale, ks, vs, fresh=past == 0),
         "sdpa_fp16": lambda: F.scaled_dot_product_attention(
             q4, k16, v16, attn_mask=mask if past else None, is_causal=not past, scale=scale
         ),
@@ -96,6 +120,64 @@ def cell(D, G, H_kv, page, chunk, past, reps, dev):
             "rel_err_vs_today": err, **res}  # fmt: skip
 
 
+def timed(impls, reps):
+    times = {name: [] for name in impls}
+    for fn in impls.values():
+        fn()  # warm-up: kernels loaded
+    for _ in range(reps):
+        for name, fn in impls.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times[name].append(a.elapsed_time(b))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def mixed_cell(D, G, H_kv, page, chunk, past, decodes, dpast, reps, dev):
+    """A chunk of `chunk` tokens over `past` beside `decodes` one-token requests over `dpast`."""
+    H_q = G * H_kv
+    lens = [past + chunk] + [dpast + 1] * decodes
+    width = max(-(-n // page) for n in lens)
+    g = torch.Generator(device=dev).manual_seed(1)
+    P = sum(-(-n // page) for n in lens)
+    kc = torch.randn(P, page, H_kv, D, device=dev, generator=g).to(torch.float8_e4m3fn)
+    vc = torch.randn(P, page, H_kv, D, device=dev, generator=g).to(torch.float8_e4m3fn)
+    table = torch.zeros(len(lens), width, dtype=torch.int32, device=dev)
+    perm, used = torch.randperm(P, device=dev, generator=g).int(), 0
+    for b, n in enumerate(lens):
+        table[b, : -(-n // page)] = perm[used : used + -(-n // page)]
+        used += -(-n // page)
+    seq = torch.tensor(lens, dtype=torch.int32, device=dev)
+    qsl = torch.tensor(
+        [0, chunk, *range(chunk + 1, chunk + decodes + 1)], dtype=torch.int32, device=dev
+    )
+    q = torch.randn(chunk + decodes, H_q, D, device=dev, generator=g, dtype=torch.float16)
+    qd = q[chunk:].view(decodes, 1, H_q, D).transpose(1, 2)
+    one = torch.tensor([0, chunk], dtype=torch.int32, device=dev)
+    dq = qsl[1:] - chunk
+    kw = dict(scale=D**-0.5, k_scale=0.1, v_scale=0.1)
+    step = timed({
+        "one varlen call": lambda: sa.paged_attention_varlen(q, kc, vc, table, qsl, seq, **kw),
+        "varlen chunk + paged_attention decodes": lambda: (
+            sa.paged_attention_varlen(q[:chunk], kc, vc, table[:1], one, seq[:1], **kw),
+            sa.paged_attention(qd, kc, vc, table[1:], seq[1:], **kw),
+        ),
+        "decodes alone: paged_attention": lambda: sa.paged_attention(qd, kc, vc, table[1:], seq[1:], **kw),
+        "decodes alone: varlen": lambda: sa.paged_attention_varlen(
+            q[chunk:], kc, vc, table[1:], dq.contiguous(), seq[1:], **kw
+        ),
+    }, reps)  # fmt: skip
+    cell = dict(
+        D=D, G=G, H_kv=H_kv, page=page, chunk=chunk, past=past, decodes=decodes, dpast=dpast
+    )
+    return {"cell": cell, "ms": step}
+
+
+MIXED = [(256, 6, 4, 16, 2048, 32768, 32, 32768), (128, 4, 8, 16, 2048, 32768, 64, 16384)]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
@@ -107,21 +189,40 @@ def main(argv=None):
     print("| D | G | H_kv | page | chunk | past | ours ms | TFLOP/s | MB | today ms | MB | "
           "fp16 SDPA ms | TFLOP/s | ours / SDPA | err |")  # fmt: skip
     print("|---" * 15 + "|")
-    for D, G, H_kv, page in grid["shapes"]:
-        for chunk in grid["chunks"]:
-            for past in grid["pasts"]:
-                reps = max(2, args.reps if chunk * (past + chunk) < 2**31 else args.reps // 2)
-                r = cell(D, G, H_kv, page, chunk, past, reps, "cuda")
-                rows.append(r)
-                o, t, s = r["ours"], r["today"], r["sdpa_fp16"]
-                print(f"| {D} | {G} | {H_kv} | {page} | {chunk} | {past} | {o['ms']:.3f} | "
-                      f"{o['tflops']:.0f} | {o['extra_mb']:.0f} | {t['ms']:.3f} | {t['extra_mb']:.0f} | "
-                      f"{s['ms']:.3f} | {s['tflops']:.0f} | {o['ms'] / s['ms']:.2f} | "
-                      f"{r['rel_err_vs_today']:.1e} |", flush=True)  # fmt: skip
+    cells = [(*sh, c, p) for sh in grid["shapes"] for c in grid["chunks"] for p in grid["pasts"]]
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    mixed = []
+
+    def save():  # after every cell: a run cut short keeps what it measured
+        if args.json:
+            Path(args.json).write_text(
+                json.dumps({"meta": meta, "rows": rows, "mixed": mixed}, indent=1)
+            )
+
+    # the targets' cells first (chunks of 4096 over a past, the 256K step, the mixed steps):
+    # a run cut short has those
+    first = [c for c in cells if c[4] == 4096 and c[5] > 0]
+    order = cells if args.smoke else first + [LONG, "mixed"] + [c for c in cells if c not in first]
+    for c in order:
+        if c == "mixed":
+            for m in MIXED:
+                r = mixed_cell(*m, reps=args.reps, dev="cuda")
+                mixed.append(r)
+                print(r["cell"], " | ".join(f"{k}: {v:.3f} ms" for k, v in r["ms"].items()))
                 torch.cuda.empty_cache()
-    if args.json:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                save()
+            continue
+        D, G, H_kv, page, chunk, past = c
+        reps = max(2, args.reps if chunk * (past + chunk) < 2**31 else args.reps // 2)
+        r = cell(D, G, H_kv, page, chunk, past, reps, "cuda")
+        rows.append(r)
+        o, t, s = r["ours"], r["today"], r["sdpa_fp16"]
+        print(f"| {D} | {G} | {H_kv} | {page} | {chunk} | {past} | {o['ms']:.3f} | "
+              f"{o['tflops']:.0f} | {o['extra_mb']:.0f} | {t['ms']:.3f} | {t['extra_mb']:.0f} | "
+              f"{s['ms']:.3f} | {s['tflops']:.0f} | {o['ms'] / s['ms']:.2f} | "
+              f"{r['rel_err_vs_today']:.1e} |", flush=True)  # fmt: skip
+        torch.cuda.empty_cache()
+        save()
 
 
 if __name__ == "__main__":

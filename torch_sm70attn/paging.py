@@ -9,7 +9,9 @@ same stored numbers, never the unrounded float16 K/V.
 
 - `attend`: the queries of one step, [B, H_q, Q, D]: up to MAX_ROWS rows through the fused op
   (`sa.paged_attention`), more (a prompt, a prefill chunk) through `prefill`.
-- `prefill`: SDPA over the dequantized pages with the op's rule.
+- `prefill`: the same rows packed for `sa.paged_attention_varlen`, which reads the pages where
+  they are; `dequantized`: pages as float16 (what the engines did before it, and tests do).
+- `attend_packed`: a step as vLLM packs it ([T, H_q, D] with query_start_loc), one op call.
 - `ragged_rows` / `unragged`: a step of requests of different query lengths, packed as vLLM packs
   them ([T, H, D] with query_start_loc), as [B, H, Q, D] with each request's rows last (the op's
   rule then holds for every real row; the rows before them see fewer positions and are
@@ -29,7 +31,6 @@ import copy
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 import torch_sm70attn as sa
 from torch_sm70attn.manifest import MANIFEST, admitted_capacity, contract
@@ -38,15 +39,56 @@ MAX_ROWS = MANIFEST.query_rows[-1]  # more query rows take the prefill route
 E4M3_MAX = 448.0
 
 
-def attend(query, kc, vc, table, lens, scale, ks, vs, *, pages=None, fresh=False):
+def attend(query, kc, vc, table, lens, scale, ks, vs, *, pages=None):
     """The attention of one step: query [B, H_q, Q, D] float16 over the pages (key/value cache
     [P, page_size, H_kv, D] float8_e4m3fn, table [B, W] int32, lens [B] int32 counting the new
-    tokens). pages: the prefill route's table width (the pages in use), where known; fresh: every
-    request holds just these Q tokens (plain causal attention). Returns [B, H_q, Q, D]."""
+    tokens). pages: the table width in use (a prompt's pages), where known: a narrower table
+    plans fewer splits. Returns [B, H_q, Q, D]."""
     if query.shape[2] <= MAX_ROWS:
         return sa.paged_attention(query, kc, vc, table, lens, scale=scale, k_scale=ks, v_scale=vs)
-    table = table if pages is None else table[:, :pages]
-    return prefill(query, kc, vc, table, lens, scale, ks, vs, fresh)
+    return prefill(query, kc, vc, table if pages is None else table[:, :pages], lens, scale, ks, vs)
+
+
+def prefill(query, kc, vc, table, lens, scale, ks, vs):
+    """More than MAX_ROWS query rows a request (a prompt, a chunk over a past): the B requests'
+    rows packed one after another into one `sa.paged_attention_varlen` call, which reads the
+    E4M3 pages where they are (no dequantized copy of the past). The rule is the op's: a row
+    that sees nothing (left padding of a prompt) is 0."""
+    B, H_q, Q, D = query.shape
+    qsl = torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32, device=query.device)
+    packed = query.transpose(1, 2).reshape(B * Q, H_q, D)
+    out = sa.paged_attention_varlen(
+        packed, kc, vc, table, qsl, lens, scale=scale, k_scale=ks, v_scale=vs
+    )
+    return out.view(B, Q, H_q, D).transpose(1, 2)
+
+
+def attend_packed(query, kc, vc, table, qsl, lens, scale, ks, vs, *, rows=None, uniform=False,
+                  tokens=None):  # fmt: skip
+    """A step as an engine packs it (vLLM): query [T, H_q, D], request b's tokens
+    query[qsl[b]:qsl[b + 1]] (query_start_loc [B + 1], on the device), lens [B] counting them,
+    table [B, W]. One op call: `sa.paged_attention_varlen` over the tokens as they lie (rows
+    None: any mix of prompts, chunks, decodes and verifies; returns [T, H_q, D], 0 from qsl[B]
+    on), or where every request has at most `rows` <= MAX_ROWS of them (a decode and verify
+    step, `tokens` in all) `sa.paged_attention`, each request's rows placed last in a
+    [B, H_q, rows, D] query (`ragged_rows`; uniform: each has exactly `rows`, but for padding
+    requests of none after them, so the tokens are [B, rows] as they lie); returns the first
+    `tokens` rows [tokens, H_q, D]."""
+    if rows is None:
+        return sa.paged_attention_varlen(
+            query, kc, vc, table, qsl, lens, scale=scale, k_scale=ks, v_scale=vs
+        )
+    B, (_, H, D) = table.shape[0], query.shape
+    if not rows:
+        return query.new_zeros(0, H, D)
+    if uniform:
+        q = query[:tokens].view(B, rows, H, D).transpose(1, 2)
+    else:
+        q = query[ragged_rows(qsl, B, rows)].transpose(1, 2)
+    o = sa.paged_attention(q, kc, vc, table, lens, scale=scale, k_scale=ks, v_scale=vs)
+    if uniform:
+        return o.transpose(1, 2).reshape(tokens, H, D)
+    return unragged(o, token_rows(qsl, B, rows, tokens))
 
 
 def dequantized(cache, table, scale, dtype) -> torch.Tensor:
@@ -56,34 +98,6 @@ def dequantized(cache, table, scale, dtype) -> torch.Tensor:
     return cache[table].flatten(1, 2).to(dtype) * scale.reshape(-1).expand(H).view(1, 1, H, 1).to(
         dtype
     )
-
-
-def prefill(query, kc, vc, table, lens, scale, ks, vs, fresh=False):
-    """More than MAX_ROWS query rows: SDPA over the requests' pages, dequantized (FP32 on the
-    CPU, where half-precision SDPA is slow and rounds more), with the op's visibility rule. A
-    fresh prompt (every request holds just these Q tokens) is plain causal attention over its
-    first Q positions; otherwise (padding, a chunked prefill) the rule is a [B, 1, Q, W x
-    page_size] mask, and a row that sees nothing (left padding of a prompt) outputs 0, as in
-    the op. On a GPU the KV heads are repeated for each query head (SDPA's memory-efficient
-    kernel takes a mask but not grouped heads)."""
-    B, H_q, Q, D = query.shape
-    dt = query.dtype if query.is_cuda else torch.float32
-    k, v = dequantized(kc, table, ks, dt), dequantized(vc, table, vs, dt)
-    if fresh:
-        k, v, mask = k[:, :Q], v[:, :Q], None
-    else:
-        mask = sa.verifier_mask(lens, Q, k.shape[1])
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
-    gqa = not query.is_cuda
-    if query.is_cuda and H_q != k.shape[1]:
-        k = k.repeat_interleave(H_q // k.shape[1], dim=1)
-        v = v.repeat_interleave(H_q // v.shape[1], dim=1)
-    out = F.scaled_dot_product_attention(
-        query.to(dt), k, v, attn_mask=mask, is_causal=fresh, scale=scale, enable_gqa=gqa
-    )
-    if mask is not None:
-        out = out.masked_fill(~mask.any(-1, keepdim=True), 0)
-    return out.to(query.dtype)
 
 
 def ragged_rows(query_start_loc: torch.Tensor, num_reqs: int, rows: int) -> torch.Tensor:
@@ -147,7 +161,6 @@ class StepPlan(NamedTuple):
     slots: torch.Tensor  # [B * rows] int64: where each new token is stored, -1 for none
     rows: int  # query rows a request (Q)
     pages: int | None  # the pages in use (the prefill route's table width), where known
-    fresh: bool  # every request holds just these rows (a prompt: plain causal attention)
     valid: torch.Tensor | None  # bool [B, rows], False for padding; None: every row is real
 
 
@@ -229,9 +242,9 @@ class SlotTable:
                 self._offsets[rows] = off
         return off
 
-    def plan(self, rows: int, valid=None, pages=None, fresh=False) -> StepPlan:
-        """The step's plan, after `advance` (pages, fresh: see StepPlan)."""
-        return StepPlan(self.table, self.lens, self.slots(rows, valid), rows, pages, fresh, valid)
+    def plan(self, rows: int, valid=None, pages=None) -> StepPlan:
+        """The step's plan, after `advance` (pages: see StepPlan)."""
+        return StepPlan(self.table, self.lens, self.slots(rows, valid), rows, pages, valid)
 
     def crop(self, n) -> None:
         """Remove the last n tokens of each request (an int for all, or an int tensor [B]); the

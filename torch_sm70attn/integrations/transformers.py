@@ -13,7 +13,8 @@ and then the attention function with the same `kwargs`: `update` puts (cache, la
 them under "sm70attn", and the attention stores the new tokens with `store_kv` (it alone sees
 the padding mask) and reads the pages: up to 16 query rows (decode, and verification of
 speculative drafts) with `paged_attention`, longer queries (a prompt, a chunked prefill) with
-SDPA over the dequantized pages; both apply the op's rule: row r of a request of length L sees
+`paged_attention_varlen`, which reads the pages where they are (no dequantized copy of the
+past); both apply the op's rule: row r of a request of length L sees
 positions 0 .. L - Q + r. The new tokens are read back from the cache like every other token,
 so a prompt, a verify step and a decode step see the same stored numbers.
 
@@ -528,11 +529,10 @@ class PagedE4M3Cache(Cache):
         self.slot_table = SlotTable(B, W, self.page_size, device)
         self._unread, self.plan = None, None
 
-    def _prompt_checks(self, Q: int, valid) -> tuple[int, bool, int]:
+    def _prompt_checks(self, Q: int, valid) -> tuple[int, int]:
         """An eager forward of more than MAX_ROWS rows (a prompt, a prefill chunk): one device
         read, then refuse what would not fit or is not left padding before anything is stored.
-        Returns (pages in use after the step, fresh: every request holds just these tokens,
-        the real tokens of the step)."""
+        Returns (pages in use after the step, the real tokens of the step)."""
         self.check()
         lens = self.slot_table.lens.tolist()
         if valid is None:
@@ -547,11 +547,10 @@ class PagedE4M3Cache(Cache):
                 )
             n = valid.sum(1).tolist()
         need = [a + b for a, b in zip(lens, n, strict=True)]
-        fresh = not any(lens) and all(k == Q for k in n)
         reserve = self.reserve if not any(lens) else 0
         if max(need) + reserve > self.limit():
             raise self.over_budget_error(max(need), reserve)
-        return -(-max(need) // self.page_size), fresh, sum(n)
+        return -(-max(need) // self.page_size), sum(n)
 
     def over_budget_error(
         self, need: int, reserve: int = 0, who: str = "a request"
@@ -655,18 +654,18 @@ class PagedE4M3Cache(Cache):
         if st is None or st.batch != B or st.device != device:
             self._allocate(B, device)
             st = self.slot_table
-        pages, fresh, tokens = None, False, None
+        pages, tokens = None, None
         if not torch.compiler.is_compiling():
             # a prompt, a prefill or a request(b) view's chunk of one: one device read
             if Q > MAX_ROWS or self._empty or self._root is not self:
-                pages, fresh, tokens = self._prompt_checks(Q, valid)
+                pages, tokens = self._prompt_checks(Q, valid)
                 pages = pages if Q > MAX_ROWS else None
             self._empty = False
         starts = None
         if position_ids is not None:
             starts = position_ids.reshape(-1, position_ids.shape[-1])[:, 0]
         st.advance(Q, valid, starts)
-        return st.plan(Q, valid, pages, fresh), tokens
+        return st.plan(Q, valid, pages), tokens
 
     def _scales(self, layer, key_states, value_states, valid) -> None:
         """The user's scales, else (and always while calibrate() runs) calibrated from x."""
@@ -716,7 +715,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     layer, plan = cache.store(layer_idx, key, value, attention_mask, kwargs.get("position_ids"))
     out = paging.attend(
         query, layer.keys, layer.values, plan.table, plan.lens, scaling, layer.k_scale,
-        layer.v_scale, pages=plan.pages, fresh=plan.fresh,
+        layer.v_scale, pages=plan.pages,
     )  # fmt: skip
     return out.transpose(1, 2), None
 

@@ -13,14 +13,15 @@ naming the option to change.
 A step, as vLLM hands it over (query [T, H_q, D] packed request after request, with
 query_start_loc, seq_lens, the block table and the slot mapping):
 - the store: `sa.store_kv` at vLLM's slots (-1, padding, stores nothing), before the attention;
-- decodes and speculative verifies (up to 16 query rows a request; vLLM sends a verify as an
-  ordinary causal query of 1 + k rows, and `reorder_batch_threshold` puts them first): one
-  `sa.paged_attention` call, each request's rows placed last in a [B, H_q, rows, D] query
-  (`paging.ragged_rows`); with uniform batches (every request 1 + k rows) a full CUDA graph
-  replays it (UNIFORM_BATCH);
-- prefills and chunks of more rows: per request, SDPA over its dequantized pages
-  (`paging.prefill`).
-Every route reads the stored E4M3 values, never the unrounded float16 K/V. Scales: the layer's
+- the attention, one op call a layer-step: a step of decodes and speculative verifies only
+  (up to 16 query rows a request; vLLM sends a verify as an ordinary causal query of 1 + k
+  rows, and `reorder_batch_threshold` puts them first) is one `sa.paged_attention` call, each
+  request's rows placed last in a [B, H_q, rows, D] query (`paging.ragged_rows`); with
+  uniform batches (every request 1 + k rows) a full CUDA graph replays it (UNIFORM_BATCH). A
+  step with a prompt or a chunk of more rows in it (chunked prefill; a prompt whose prefix
+  is cached is a chunk over that past) is one `sa.paged_attention_varlen` call over vLLM's
+  packed tokens as they lie, every request of the step in it.
+Every route reads the stored E4M3 pages where they are, never a float16 copy of them. Scales: the layer's
 `_k_scale` / `_v_scale` (a checkpoint's, `--calculate-kv-scales`, or vLLM's default 1.0).
 """
 
@@ -92,27 +93,32 @@ def register() -> None:
 
 @dataclass
 class SM70AttnMetadata:
-    """One step, for every layer: vLLM's tensors (on the device) and the split into decodes
-    (the first `num_decodes` requests, `num_decode_tokens` tokens, at most `rows` rows each;
-    `uniform`: each exactly `rows`, padding requests of none aside) and prefills ((request,
-    first token, end token, seq_len), host ints)."""
+    """One step, for every layer: vLLM's tensors (on the device) for its `num_reqs` requests,
+    of which the first `num_decodes` are decodes and verifies (`num_decode_tokens` tokens, at
+    most `rows` rows each; `uniform`: each exactly `rows`, padding requests of none aside).
+    Where every request is one (`decode_only`) the step takes paged_attention, else
+    paged_attention_varlen."""
 
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
+    num_reqs: int
     num_decodes: int
     num_decode_tokens: int
     rows: int
     uniform: bool
-    prefills: list[tuple[int, int, int, int]]
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decodes == self.num_reqs
 
 
 def _routes_line(threshold: int) -> str:
     return (
         f"torch_sm70attn: decode and verify steps of up to {threshold} query rows a request "
         "-> sm70attn.paged_attention (fused E4M3 kernels; full CUDA graphs for uniform batches); "
-        f"prefill and chunks of more rows -> SDPA over the dequantized pages; KV stored by "
-        "sm70attn.store_kv"
+        "steps with a prefill or a chunk of more rows -> sm70attn.paged_attention_varlen (one "
+        "call, the E4M3 pages read in place); KV stored by sm70attn.store_kv"
     )
 
 
@@ -169,27 +175,20 @@ class SM70AttnMetadataBuilder(AttentionMetadataBuilder[SM70AttnMetadata]):
         fast_build: bool = False,
     ) -> SM70AttnMetadata:
         m = common_attn_metadata
-        nd, npf, ndt, _ = split_decodes_and_prefills(
-            m, decode_threshold=self.reorder_batch_threshold
-        )
+        nd, _, ndt, _ = split_decodes_and_prefills(m, decode_threshold=self.reorder_batch_threshold)
         qsl = m.query_start_loc_cpu
         q_lens = (qsl[1 : nd + 1] - qsl[:nd]).tolist()
         rows = max(q_lens, default=0)
-        prefills = []
-        if npf:
-            lens = m.seq_lens[nd : nd + npf].tolist()  # one device read, prefill steps only
-            for i, n in enumerate(lens):
-                b = nd + i
-                prefills.append((b, int(qsl[b]), int(qsl[b + 1]), int(n)))
+        B = m.num_reqs
         return SM70AttnMetadata(
-            query_start_loc=m.query_start_loc,
-            seq_lens=m.seq_lens,
-            block_table=m.block_table_tensor,
+            query_start_loc=m.query_start_loc[: B + 1],
+            seq_lens=m.seq_lens[:B],
+            block_table=m.block_table_tensor[:B],
+            num_reqs=B,
             num_decodes=nd,
             num_decode_tokens=ndt,
             rows=rows,
             uniform=_uniform(q_lens, rows, ndt),
-            prefills=prefills,
         )
 
 
@@ -300,31 +299,12 @@ class SM70AttnImpl(AttentionImpl[SM70AttnMetadata]):
         out = output.view(-1, H, D)
         kc, vc = _fp8_caches(kv_cache)
         ks, vs = layer._k_scale, layer._v_scale
-        nd, T, rows = m.num_decodes, m.num_decode_tokens, m.rows
-        if nd and rows:
-            if m.uniform:
-                q = query[:T].view(nd, rows, H, D).transpose(1, 2)
-            else:
-                q = query[paging.ragged_rows(m.query_start_loc, nd, rows)].transpose(1, 2)
-            o = sa.paged_attention(
-                q, kc, vc, m.block_table[:nd], m.seq_lens[:nd], scale=self.scale,
-                k_scale=ks, v_scale=vs,
-            )  # fmt: skip
-            if m.uniform:
-                out[:T].view(nd, rows, H, D).copy_(o.transpose(1, 2))
-            else:
-                out[:T] = paging.unragged(o, paging.token_rows(m.query_start_loc, nd, rows, T))
-        for b, start, end, n in m.prefills:
-            if n == 0:  # a padding request: no tokens to see
-                out[start:end] = 0
-                continue
-            pages = -(-n // kc.shape[1])
-            q = query[start:end].transpose(0, 1)[None]
-            o = paging.prefill(
-                q, kc, vc, m.block_table[b : b + 1, :pages], m.seq_lens[b : b + 1],
-                self.scale, ks, vs, fresh=n == end - start,
-            )  # fmt: skip
-            out[start:end] = o[0].transpose(0, 1)
+        o = paging.attend_packed(
+            query.view(-1, H, D), kc, vc, m.block_table, m.query_start_loc, m.seq_lens,
+            self.scale, ks, vs, rows=m.rows if m.decode_only else None, uniform=m.uniform,
+            tokens=m.num_decode_tokens,
+        )  # fmt: skip
+        out[: o.shape[0]].copy_(o)
         return output
 
 
