@@ -284,3 +284,23 @@ def test_the_models_default_kind_is_the_launchers():
     for cc in (72, 75, 80):  # other GPUs keep the WMMA kernel
         for mb in (2, 3):
             assert not eval(expr, {}, dict(d=256, mb=mb, cc=cc, capacity=1 << 18))
+
+
+def test_prefill_work_is_the_kernels_tiles():
+    """The prefill model's CTAs are varlen.h's: ceil(q G / 64) tiles a KV head, each over the KV
+    tiles its last row sees (causal): a D256 G6 chunk of 4096 tokens over 32K, 384 tiles x 4."""
+    ctas = vm.prefill_ctas(256, 6, 4, 4096, 32768, 32)
+    assert len(ctas) == 384 * 4 and ctas[:4] == [vm.cdiv(32768 + 11, 32)] * 4
+    assert ctas[-1] == (32768 + 4096) // 32 and ctas == sorted(ctas)
+    assert len(vm.prefill_ctas(128, 4, 8, 17, 0, 32)) == 2 * 8  # 68 rows: two tiles
+    assert vm.prefill_flops(128, 1, 1, 2, 3) == 4 * 128 * (2 * 3 + 3)
+
+
+@pytest.mark.skipif(not vm.load_prefill_runs(), reason="no prefill runs in docs/data")
+def test_prefill_model_on_the_measured_cells():
+    """Fitted on every measured cell: each within 25%; the V100 rows --json publishes cover both
+    shapes, chunks 512-16384 and pasts 0-128K, lo no slower than hi."""
+    prm = vm.fit(RUNS, SASS, vm.dynamic_scale(SASS))
+    fitted, errs, held, rows = vm.prefill_report(prm, SASS, vm.load_prefill_runs())
+    assert max(map(abs, errs)) < 0.25, errs
+    assert len(rows) == 2 * 6 * 4 and all(r["lo"]["ms"] <= r["hi"]["ms"] for r in rows)

@@ -79,6 +79,11 @@ GPUS = {
         arch="sm_90", sms=132, clock=1.80e9, bw=4.15e12, smem_sm=233472, reserved=1024,
         pipe=dict(fp32=1, fp16=1, int=2, tensor=2048 / (1207 / 4), mufu=8, cvt=8),
     ),
+    # the H100 SXM, where a prefill run landed on one (its clock and bandwidth from its datasheet)
+    "H100": dict(
+        arch="sm_90", sms=132, clock=1.755e9, bw=3.35e12, smem_sm=233472, reserved=1024,
+        pipe=dict(fp32=1, fp16=1, int=2, tensor=2048 / (1207 / 4), mufu=8, cvt=8),
+    ),
     "V100": dict(
         arch="sm_70", sms=80, clock=1.53e9, bw=780e9, smem_sm=98304, reserved=0,
         pipe=dict(fp32=2, fp16=2, int=2, tensor=2, mufu=8, cvt=8),
@@ -636,6 +641,131 @@ def rf_report(prm, runs, sass, dyn) -> str:
     return "\n".join(lines)
 
 
+# --- prefill: paged_attention_varlen (issue 36) ------------------------------------------------
+# The H200 (or H100) runs of tools/bench_prefill.py --json, committed as docs/data/prefill_*.json.
+# One request a cell: a chunk of `chunk` tokens over `past`. The kernel: 64-row tiles of the
+# chunk's position-major rows (row m: token m // G), one CTA a tile and KV head, each over the
+# KV tiles its last row sees (causal), the decode kernel's MB 4 tile loop (sass.json's
+# "attn-varlen D MB4 VEC16"). Chunks over 256 tokens never split (plan.h: split_q), so there
+# is no combine. A tile's cycles as predict()'s (latency, issue, shared memory), with the
+# decode fit's alpha, c_rest and latencies and one c per head dim fitted here; the CTAs are
+# list-scheduled in launch order on the SMs' resident slots.
+VARLEN_SMEM_EXTRA = 32  # traits.h: kVarlenSmemExtra, the CTA's request in shared memory
+PREFILL_GRID = dict(shapes=[(256, 6, 4, 1648), (128, 4, 8, 16)],
+                    chunks=[512, 1024, 2048, 4096, 8192, 16384], pasts=[0, 32768, 65536, 131072])  # fmt: skip
+
+
+def prefill_flops(D, G, H_kv, chunk, past) -> float:
+    """4 D H_q x the positions the chunk's rows see, summed (QK^T and PV)."""
+    return 4 * D * G * H_kv * (chunk * past + chunk * (chunk + 1) / 2)
+
+
+def prefill_ctas(D, G, H_kv, chunk, past, n) -> list[int]:
+    """KV tiles (of n tokens) of each CTA, in launch order (grid x: tile-major, KV head
+    minor)."""
+    out = []
+    for t in range(cdiv(chunk * G, 64)):
+        last = min(chunk - 1, ((t + 1) * 64 - 1) // G)  # the tile's last token
+        out += [cdiv(past + last + 1, n)] * H_kv
+    return out
+
+
+def predict_prefill(cell, gpu_name, sass, prm, hmma_latency="hi") -> dict:
+    import heapq
+
+    gpu = GPUS[gpu_name]
+    arch = gpu["arch"]
+    D, G, H_kv, chunk, past = (cell[k] for k in ("D", "G", "H_kv", "chunk", "past"))
+    k = sass[arch][f"attn-varlen D{D} MB4 VEC16"]
+    W, N = warps(D, 4), tile_tokens(D, 4)
+    occ = occupancy(k["regs"], k["threads"], k["smem"] + VARLEN_SMEM_EXTRA, gpu)
+    w = occ * W / SCHEDULERS
+    mix, per_tile = k["tile_mix"], k["tile"]
+    lat_insts = per_tile
+    if arch == "sm_70" and hmma_latency == "lo":
+        lat_insts = per_tile - mix["tensor"] * 7 / 8
+    pipe = max(
+        [per_tile] + [n * gpu["pipe"].get(cl, 1) for cl, n in mix.items() if cl != "smem_bytes"]
+    )
+    terms = dict(
+        latency=lat_insts * (prm[f"c varlen D{D}"] + prm["alpha"] * w),
+        issue=w * pipe,
+        smem=occ * W * mix["smem_bytes"] / SMEM_BW,
+    )
+    t_tile = max(terms.values())
+    slots = [0.0] * (gpu["sms"] * occ)
+    for n in prefill_ctas(D, G, H_kv, chunk, past, N):
+        t = heapq.heappop(slots)
+        heapq.heappush(slots, t + n * t_tile + k["rest"] * prm["c_rest"])
+    t_issue = max(slots) / gpu["clock"] + prm["lat_us"] * 1e-6
+    t_dram = 2 * (past + chunk) * H_kv * D * cdiv(chunk * G, 64) / gpu["bw"]  # K, V per tile
+    total = max(t_issue, t_dram) + prm["gap_us"] * 1e-6
+    return dict(
+        ms=total * 1e3,
+        tflops=prefill_flops(D, G, H_kv, chunk, past) / total / 1e12,
+        limiter=max(terms, key=terms.get) if t_issue >= t_dram else "dram",
+        ctas_per_sm=occ,
+    )
+
+
+def load_prefill_runs() -> list[tuple[dict, float, str]]:
+    """(cell, measured ms of ours, the GPU in GPUS) of every committed prefill run."""
+    out = []
+    for name in sorted(os.listdir(DATA)):
+        if name.startswith("prefill_") and name.endswith(".json"):
+            run = json.load(open(os.path.join(DATA, name)))
+            gpu = "H100" if "H100" in run["meta"]["device"] else "H200"
+            out += [(r["cell"], r["ours"]["ms"], gpu) for r in run["rows"]]
+    return out
+
+
+def prefill_errors(prm, runs, sass):
+    return [(predict_prefill(c, g, sass, prm)["ms"] / ms - 1, c, ms) for c, ms, g in runs]
+
+
+def fit_prefill(prm, runs, sass) -> dict:
+    """c varlen D per head dim, by least squares on log(predicted / measured) (a scan, then
+    halving steps), the decode fit's other parameters kept."""
+    out = dict(prm)
+    for D in sorted({c["D"] for c, *_ in runs}):
+        mine = [r for r in runs if r[0]["D"] == D]
+        key = f"c varlen D{D}"
+
+        def loss(v, key=key, mine=mine):
+            return sum(
+                math.log1p(e) ** 2 for e, *_ in prefill_errors(dict(out, **{key: v}), mine, sass)
+            )
+
+        best = min((loss(v), v) for v in (0.5 * i for i in range(1, 41)))[1]
+        step = 0.25
+        while step > 1e-3:
+            best = min((best - step, best, best + step), key=lambda v: loss(v) if v > 0 else 1e9)
+            step /= 2
+        out[key] = best
+    return out
+
+
+def prefill_report(prm, sass, runs) -> tuple[list, list, list]:
+    """(H200 errors fitted on every run, errors of the cells over no past or 128K when fitted on
+    the others (held out), the V100 rows of --json)."""
+    fitted = fit_prefill(prm, runs, sass)
+    errs = [e for e, *_ in prefill_errors(fitted, runs, sass)]
+    inner = [r for r in runs if r[0]["past"] not in (0, 131072)]
+    outer = [r for r in runs if r[0]["past"] in (0, 131072)]
+    held = (
+        [e for e, *_ in prefill_errors(fit_prefill(prm, inner, sass), outer, sass)] if inner else []
+    )
+    rows = []
+    for D, G, H_kv, page in PREFILL_GRID["shapes"]:
+        for chunk in PREFILL_GRID["chunks"]:
+            for past in PREFILL_GRID["pasts"]:
+                c = dict(D=D, G=G, H_kv=H_kv, chunk=chunk, past=past, page=page)
+                lo = predict_prefill(c, "V100", sass, fitted, hmma_latency="lo")
+                hi = predict_prefill(c, "V100", sass, fitted, hmma_latency="hi")
+                rows.append(dict(cell=c, lo=lo, hi=hi))
+    return fitted, errs, held, rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -718,9 +848,42 @@ def main() -> int:
     if any(kind_of(r[2]) == "rf" for r in runs):
         print()
         print(rf_report(prm, runs, sass, dyn))
+    pre_runs = load_prefill_runs()
+    if pre_runs:
+        pfit, perrs, pheld, prefill = prefill_report(prm, sass, pre_runs)
+        print()
+        print(
+            f"prefill (paged_attention_varlen): {len(perrs)} measured cells, |error| {summary(perrs)}"
+        )
+        if pheld:
+            print(
+                f"prefill held out: fitted without the no-past and 128K cells, those |error| {summary(pheld)}"
+            )
+        print(", ".join(f"{k} {v:.3g}" for k, v in pfit.items() if k.startswith("c varlen")))
+        print(
+            "V100 predictions (lo .. hi: HMMA latency hidden or not), D G H_kv chunk past: ms, TFLOP/s, bound"
+        )
+        for r in prefill:
+            c, lo, hi = r["cell"], r["lo"], r["hi"]
+            print(f"  D{c['D']} G{c['G']} H_kv{c['H_kv']} chunk {c['chunk']:>5} past {c['past']:>6}: "
+                  f"{lo['ms']:8.2f} .. {hi['ms']:8.2f} ms, {hi['tflops']:5.1f} .. {lo['tflops']:5.1f} TFLOP/s, {hi['limiter']}")  # fmt: skip
+    else:
+        prefill, perrs, pheld = [], [], []
+        print("prefill: no measured runs in docs/data (prefill_*.json): no V100 prefill figure")
     if a.json:
         cells = {tuple(c.values()): c for c, *_ in runs}.values()
         out = dict(
+            prefill=[
+                dict(
+                    cell=r["cell"],
+                    lo={k: r["lo"][k] for k in ("ms", "tflops")},
+                    hi={k: r["hi"][k] for k in ("ms", "tflops")},
+                    bound=r["hi"]["limiter"],
+                )
+                for r in prefill
+            ],  # fmt: skip
+            prefill_h200_errors=perrs,
+            prefill_held_out_errors=pheld,
             params=prm,
             dynamic=dyn,
             h200_errors=errs,
