@@ -1,6 +1,6 @@
 """vLLM end to end with this package's backend, through vLLM's own OpenAI server.
 
-    python tools/vllm_e2e.py --out DIR [--steps tokens,spec,bench] [--concurrency 1 4 8]
+    python tools/vllm_e2e.py --out DIR [--steps tokens,spec,stress,bench] [--concurrency 1 4 8]
 
 Needs a GPU, vLLM and this package installed (its entry point registers the CUSTOM backend).
 Steps:
@@ -16,10 +16,16 @@ Steps:
   before the first difference, and the reference's top-2 logprob gap there (a near tie if small);
 - spec: the same requests with n-gram speculative decoding (7 drafts), through our verify path:
   tokens against plain decoding, acceptance from the server's /metrics;
+- stress: 200 greedy requests of 16 to 32K tokens (log-uniform, prompts sharing prefixes) at
+  concurrency 16 through one CUSTOM server with prefix caching, 2048 tokens a step (every long
+  prompt chunked) and 4096 KV blocks (requests preempted), a tenth of them aborted by the client:
+  no error response, the server alive, and a sample of 8 served again alone, tokens against the
+  stressed run's (the gap at a difference);
 - bench: `vllm bench serve` (random 32000-token prompts, 128 new tokens, ignore-eos, greedy) at
-  each concurrency, our backend against FLASH_ATTN with a float16 cache (served from the shipped
-  folder: the scales' KV scheme would turn vLLM 0.26's `auto` into fp8) and with an fp8 one
-  (which FA3 refuses for a float16 model); `--bench NAME ...` picks the servers.
+  each concurrency, our backend against FLASH_ATTN and TRITON_ATTN (what V100 users run today)
+  with a float16 cache (served from the shipped folder: the scales' KV scheme would turn vLLM
+  0.26's `auto` into fp8), and FLASH_ATTN with an fp8 one (`flash-fp8`, which FA3 refuses for a
+  float16 model); `--bench NAME ...` picks the servers.
 Where FlashInfer is not installed, run with VLLM_USE_FLASHINFER_SAMPLER=0 (vLLM 0.26's sampler
 imports it otherwise).
 Each server's log is kept (DIR/server-*.log); whether it captured full CUDA graphs is read from
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -38,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -115,8 +123,9 @@ def _post(path: str, body: dict, timeout=600.0) -> dict:
 
 
 @contextlib.contextmanager
-def server(out: Path, name: str, model: Path, backend: str, kv_dtype: str, spec=None):
-    """`vllm serve` in its own process; yields the log's path once /health answers."""
+def server(out: Path, name: str, model: Path, backend: str, kv_dtype: str, spec=None, extra=()):
+    """`vllm serve` in its own process; yields the log's path once /health answers. `extra`:
+    more arguments (they follow the defaults, so they override them)."""
     logf = out / f"server-{name}.log"
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
@@ -127,6 +136,7 @@ def server(out: Path, name: str, model: Path, backend: str, kv_dtype: str, spec=
     ]  # fmt: skip
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]
+    cmd += list(extra)
     log(f"serve {name}: {' '.join(cmd[3:])}")
     t0 = time.time()
     with open(logf, "w") as f:
@@ -277,6 +287,110 @@ def transformers_tokens(model: Path, ids: list[list[int]], new: int, device="cud
 
 
 # --- the benchmark -------------------------------------------------------------------------------
+# --- stress: the engine's scheduler around our backend -------------------------------------------
+STRESS = dict(
+    n=200, concurrency=16, new=32, abort_share=0.1, sample=8,
+    # every long prompt chunked; few KV blocks (16 tokens each): requests are preempted
+    args=["--max-num-batched-tokens", "2048", "--num-gpu-blocks-override", "4096",
+          "--enable-prefix-caching"],
+)  # fmt: skip
+
+
+def stress_requests(model: Path, n: int, seed=0) -> list[list[int]]:
+    """n prompts of 16 to 32K tokens (log-uniform), each a stretch of this package's source
+    starting at one of 8 offsets: prompts that start at the same offset share a prefix, which
+    prefix caching serves as a chunk over a cached past."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from torch_sm70attn.integrations import shipped
+
+    rng = random.Random(seed)
+    stream = shipped.own_source(AutoTokenizer.from_pretrained(model, local_files_only=True))
+    top = MAX_LEN - STRESS["new"] - 64
+    out = []
+    for _ in range(n):
+        length = int(math.exp(rng.uniform(math.log(16), math.log(top))))
+        start = rng.randrange(8) * 1000
+        out.append(stream[start : start + length].tolist())
+    return out
+
+
+def stress(model: Path, seed=0) -> dict:
+    """STRESS["n"] greedy requests at STRESS["concurrency"] through one server; a share of them
+    aborted by the client (its connection closed after a random 0.05-2 s); every other one must
+    answer 200 with its tokens. Then a sample of the finished ones again, each alone: tokens
+    against the stressed run's, with the top-2 logprob gap at the first difference."""
+    import random
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(seed)
+    ids = stress_requests(model, STRESS["n"], seed)
+    aborts = {i for i in range(len(ids)) if rng.random() < STRESS["abort_share"]}
+    waits = {i: rng.uniform(0.05, 2.0) for i in aborts}
+    results: list = [None] * len(ids)
+
+    def one(i):
+        body = {
+            "model": str(model), "prompt": ids[i], "max_tokens": STRESS["new"], "temperature": 0,
+            "logprobs": 2, "return_tokens_as_token_ids": True, "ignore_eos": True,
+        }  # fmt: skip
+        try:
+            r = _post("/v1/completions", body, timeout=waits.get(i, 900.0))
+        except (socket.timeout, TimeoutError):
+            return i, "aborted"
+        except urllib.error.HTTPError as e:
+            return i, f"HTTP {e.code}: {e.read()[:300]!r}"
+        except OSError as e:
+            if i in aborts:
+                return i, "aborted"
+            return i, f"error: {e!r}"
+        lp = r["choices"][0]["logprobs"]
+        return i, {
+            "tokens": [int(t.removeprefix("token_id:")) for t in lp["tokens"]],
+            "top2": [sorted(d.values(), reverse=True) for d in lp["top_logprobs"]],
+        }
+
+    t0 = time.time()
+    with ThreadPoolExecutor(STRESS["concurrency"]) as pool:
+        for i, r in pool.map(one, range(len(ids))):
+            results[i] = r
+    wall = time.time() - t0
+    errors = {i: r for i, r in enumerate(results) if isinstance(r, str) and r != "aborted"}
+    finished = [i for i, r in enumerate(results) if isinstance(r, dict)]
+    alive = _get("/health", timeout=5) is not None
+    sample = rng.sample(finished, min(STRESS["sample"], len(finished)))
+    alone = {}
+    for i in sample:  # one at a time: each alone in the engine
+        _, r = one(i)
+        alone[i] = r
+    rows = [
+        {"request": i, "prompt_len": len(ids[i]), **compare([results[i]], [alone[i]])[0]}
+        for i in sample
+        if isinstance(alone[i], dict)
+    ]
+    return {
+        "config": {k: v for k, v in STRESS.items()},
+        "requests": len(ids), "aborted_by_client": sorted(i for i in aborts if results[i] == "aborted"),
+        "finished": len(finished), "errors": errors, "server_alive": alive, "wall_s": wall,
+        "prompt_tokens": sum(map(len, ids)), "longest": max(map(len, ids)),
+        "sample_vs_alone": rows,
+    }  # fmt: skip
+
+
+def log_counts(logf: Path) -> dict:
+    """What the server's log says happened under stress: preemptions, prefix-cache hits, errors."""
+    text = logf.read_text(errors="replace")
+    hit = re.findall(r"[Pp]refix cache hit rate: ([0-9.]+)%", text)
+    return {
+        "preempted_lines": len(re.findall(r"[Pp]reempt", text)),
+        "prefix_cache_hit_rate_last": float(hit[-1]) if hit else None,
+        "error_lines": [ln for ln in text.splitlines() if "ERROR" in ln or "Traceback" in ln][:20],
+    }
+
+
 def bench(out: Path, model: Path, name: str, concurrency: list[int], new: int) -> list[dict]:
     rows = []
     for c in concurrency:
@@ -306,7 +420,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--new", type=int, default=48, help="new tokens a request (tokens, spec)")
     ap.add_argument("--bench-new", type=int, default=128)
-    ap.add_argument("--bench", nargs="+", default=["custom-fp8", "flash-fp16", "flash-fp8"])
+    ap.add_argument("--bench", nargs="+", default=["custom-fp8", "flash-fp16", "triton-fp16"])
     ap.add_argument("--lengths", type=int, nargs="+",
                     default=[37, 300, 1200, 2500, 6000, 11000, 20000, 30000])  # fmt: skip
     a = ap.parse_args()
@@ -344,6 +458,12 @@ def main() -> int:
             res["spec_graphs"] = graphs(logf)
         log(f"spec: {res['spec']}")
         save()
+    if "stress" in steps:
+        with server(a.out, "custom-stress", model, "CUSTOM", "fp8_e4m3", extra=STRESS["args"]) as logf:
+            res["stress"] = stress(model)
+        res["stress"]["log"] = log_counts(logf)
+        log(f"stress: {json.dumps(res['stress'])[:2000]}")
+        save()
     if "bench" in steps:
         import torch_sm70attn as sa
 
@@ -351,6 +471,7 @@ def main() -> int:
         for name, backend, kv in (
             ("custom-fp8", "CUSTOM", "fp8_e4m3"),
             ("flash-fp16", "FLASH_ATTN", "auto"),  # the shipped folder: no KV scheme, fp16
+            ("triton-fp16", "TRITON_ATTN", "auto"),  # what V100 users run today
             ("flash-fp8", "FLASH_ATTN", "fp8_e4m3"),
         ):
             if name not in a.bench:
