@@ -14,7 +14,7 @@ from oracle import rel_err, varlen_attention_fp64
 from problems import make_varlen_problem, varlen_args
 
 import torch_sm70attn as sa
-from torch_sm70attn import reference
+from torch_sm70attn import reference, routes
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -149,7 +149,8 @@ def test_no_tokens_and_no_requests():
     assert out.shape == (4, 6, 64) and out.eq(0).all()
 
 
-def test_paged_attention_varlen_through_the_public_function_and_admit():
+def test_paged_attention_varlen_through_the_public_function_and_admit(monkeypatch):
+    monkeypatch.setattr(routes, "_warned", set())  # one warning per reason and process
     p = make_varlen_problem(q_lens=(2, 30), pasts=(100, 0), G=4, D=128, device=DEV)
     keys = ("query", "key_cache", "value_cache", "block_table", "query_start_loc", "seq_lens")
     out = sa.paged_attention_varlen(*(p[k] for k in keys), scale=p["scale"], k_scale=p["k_scale"],
