@@ -619,7 +619,7 @@ def test_public_wrapper_falls_back_with_one_warning(record):
 
 # --- store_kv ---------------------------------------------------------------------------
 def test_store_kv_bit_equal_to_cpu_reference():
-    from test_store_kv import special_values
+    from problems import special_values
 
     gen = torch.Generator().manual_seed(3)
     H, D, ps = 4, 256, 16
