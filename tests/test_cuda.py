@@ -696,18 +696,18 @@ def test_store_then_attend_round_trip(record):
 
 
 def test_check_uses_the_cuda_route():
-    from test_ops import _cli
+    from helpers_cli import cli
 
-    r = _cli("check", "--reps", "3")
+    r = cli("check", "--reps", "3")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("route=cuda") == 2, r.stdout
 
 
 def test_model_demo_on_the_gpu():
     pytest.importorskip("transformers")
-    from test_ops import _cli
+    from helpers_cli import cli
 
-    r = _cli("demo", "--context", "4096", "--new-tokens", "16")
+    r = cli("demo", "--context", "4096", "--new-tokens", "16")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "route of a decode step: cuda" in r.stdout, r.stdout
     assert "--- torch_sm70attn (paged E4M3 cache) continues ---" in r.stdout, r.stdout

@@ -208,12 +208,12 @@ def test_cli_demo_prints_the_shipped_models_completion():
     """The demo on a CPU: the shipped model continues this package's own code, and the text it
     prints for stock float16 is the decode of stock greedy generation on the same prompts
     (generated here again), and its own is that text when all tokens agree."""
-    from test_ops import _cli
+    from helpers_cli import cli
 
     from torch_sm70attn.integrations import demo, shipped
 
-    r = _cli("demo", "--device", "cpu", "--context", "512", "--new-tokens", "12", "--batch", "2",
-             "--runs", "1")  # fmt: skip
+    r = cli("demo", "--device", "cpu", "--context", "512", "--new-tokens", "12", "--batch", "2",
+            "--runs", "1")  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "route of a decode step: reference" in out
