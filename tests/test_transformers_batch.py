@@ -539,7 +539,7 @@ def test_serve_records_one_cuda_graph_over_two_calls(model, monkeypatch):
     """The backend's CUDA-graph recorder (emulated on the CPU, as tests/test_cudagraphs.py
     does) records the verify step once: a second call on the same cache keeps its table,
     lengths and flags where the graph reads them (it was recorded again per call before)."""
-    from test_cudagraphs import emulated
+    from helpers_cudagraphs import emulated
     from torch._dynamo.utils import counters
 
     emulated(monkeypatch)
