@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_transformers import (  # noqa: E402
+from helpers_transformers import (  # noqa: E402
     KS,
     VS,
     E4M3DynamicCache,
@@ -68,7 +68,7 @@ def cache(model, batch=1, **kw):
 
 def greedy_alone(model, prompt, new):
     """A request generated alone, greedy: its new tokens and the logits of each step (for
-    test_transformers.near_tie)."""
+    helpers_transformers.near_tie)."""
     with torch.no_grad():
         out = model.generate(
             prompt[None], cache=cache(model), max_new_tokens=new, do_sample=False,
