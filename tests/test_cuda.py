@@ -565,8 +565,8 @@ def test_raw_op_and_public_function_take_the_route_admit_says(case, monkeypatch,
     # Which route ran: the reference through the fallback counts a call, and the binding's
     # refusal names its rule.
     calls, named = [], []
-    real_ref, real_reason = ops._paged_attention_ref, routes.binding_reason
-    monkeypatch.setattr(ops, "_paged_attention_ref", lambda *a: calls.append(a) or real_ref(*a))
+    real_ref, real_reason = ops.paged_attention_ref, routes.binding_reason
+    monkeypatch.setattr(ops, "paged_attention_ref", lambda *a: calls.append(a) or real_ref(*a))
     monkeypatch.setattr(
         routes, "binding_reason", lambda name, c: named.append(name) or real_reason(name, c)
     )
