@@ -570,7 +570,7 @@ def test_raw_op_and_public_function_take_the_route_admit_says(case, monkeypatch,
     monkeypatch.setattr(
         routes, "binding_reason", lambda name, c: named.append(name) or real_reason(name, c)
     )
-    monkeypatch.setattr(routes, "_warned", set())
+    monkeypatch.setattr(routes, "warned", set())
     # DISABLE is the public function's (read on every call; a raw op call reads it at the load
     # only); a CPU call never reaches the binding (the dispatcher runs the CPU kernel).
     by = rule[0].by if rule else "binding"
@@ -598,7 +598,7 @@ def test_raw_op_and_public_function_take_the_route_admit_says(case, monkeypatch,
             record("cuda routes", rel_err(out, ref64), label)
         else:
             assert out.shape == args[0].shape, label
-    assert routes._warned == (
+    assert routes.warned == (
         {want.reason} if by == "binding" and want.route == sa.REFERENCE else set()
     )
 

@@ -118,7 +118,7 @@ def test_reason_words_from_the_table():
 def test_cuda_fallback_warns_the_binding_rule_in_the_tables_words(monkeypatch):
     """The Python half of the binding's refusal, on CPU tensors: the rule the binding names is
     worded by the table, warned once, and the reference computes the call."""
-    monkeypatch.setattr(routes, "_warned", set())
+    monkeypatch.setattr(routes, "warned", set())
     monkeypatch.delenv("TORCH_SM70ATTN_DISABLE", raising=False)
     p = make_problem(B=2, H_kv=1, G=2, Q=1, D=96)
     args = op_args(p)
