@@ -17,6 +17,7 @@ from torch_sm70attn import ops, reference, routes
 
 BINDING = Path(__file__).resolve().parents[1] / "csrc" / "binding.cpp"
 NAMES = [r.name for r in routes.RULES]
+BY_NAME = {r.name: r for r in routes.RULES}
 
 
 def test_every_rule_has_a_case_and_every_case_a_rule():
@@ -90,8 +91,8 @@ def test_the_op_serves_every_case_on_the_cpu(case, monkeypatch):
     )
     assert rule is not None and rule[0].name in ("device", case[1])  # (on the CPU: device first)
     args = op_args(p)
-    if case[1] in NAMES and routes._BY_NAME[case[1]].by == "op":
-        with pytest.raises(TypeError, match=routes._BY_NAME[case[1]].tensor):
+    if case[1] in NAMES and BY_NAME[case[1]].by == "op":
+        with pytest.raises(TypeError, match=BY_NAME[case[1]].tensor):
             torch.ops.sm70attn.paged_attention(*args)
         return
     out = torch.ops.sm70attn.paged_attention(*args)
