@@ -342,7 +342,7 @@ def gen_fresh(model, ids, n=6):
 
 
 def test_generate_without_the_cache_warns_once(model):
-    hf._warned.discard("unpaged")
+    hf.warned.discard("unpaged")
     ids = requests((10,))[0][None]
     with pytest.warns(UserWarning, match="without a PagedE4M3Cache"):
         with torch.no_grad():
