@@ -240,3 +240,41 @@ def varlen_args(p):
     """The raw op's positional arguments, in its schema's order."""
     keys = ("query", "key_cache", "value_cache", "block_table", "query_start_loc", "seq_lens")
     return (*(p[k] for k in keys), p["scale"], p["k_scale"], p["v_scale"])
+
+
+def special_values(n, gen):
+    """fp16 values that exercise every rounding case once divided by the scale."""
+    parts = [
+        torch.randn(n, generator=gen) * 100,  # in range
+        torch.randn(n, generator=gen) * 1e4,  # saturates
+        torch.rand(n, generator=gen) * 2**-6,  # E4M3 subnormals (after scale 1)
+        torch.tensor(
+            [
+                0.0,
+                -0.0,
+                float("inf"),
+                float("-inf"),
+                float("nan"),
+                448,
+                464,
+                465,
+                480,
+                -464,
+                2**-9,
+                2**-10,
+                3 * 2**-10,
+                2**-10 * 1.0001,
+                6e-8,
+                240,
+                232,
+                248,
+            ]
+        ),
+        (torch.rand(n, generator=gen) * 2**-14),  # fp16 subnormals
+    ]
+    x = torch.cat(parts)
+    # Exact midpoints between neighbouring E4M3 values: ties must go to the even code.
+    from oracle import _POS
+
+    mids = torch.tensor((_POS[1:] + _POS[:-1]) / 2)
+    return torch.cat([x, mids, -mids]).half()

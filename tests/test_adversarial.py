@@ -126,7 +126,7 @@ def test_capacity_above_the_manifest_takes_the_reference_route(dev, monkeypatch)
     if cpu(dev):
         out = sa.paged_attention(*args[:5], **kw)
     else:
-        monkeypatch.setattr(routes, "_warned", set())  # one warning per reason and process
+        monkeypatch.setattr(routes, "warned", set())  # one warning per reason and process
         with pytest.warns(UserWarning, match="reference route"):
             out = sa.paged_attention(*args[:5], **kw)
     close(out, p)

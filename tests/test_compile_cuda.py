@@ -6,8 +6,8 @@ recording per batch bucket, replays with new lengths and block tables equal to e
 import copy
 import functools
 
+import helpers_models
 import pytest
-import test_serving_loop
 import torch
 from oracle import rel_err
 from torch._dynamo.utils import counters
@@ -21,11 +21,11 @@ DEV = "cuda"
 
 def Served(P, ps):
     """The toy decoder with its paged caches as buffers (static inputs of the graphs)."""
-    return test_serving_loop.Served(P=P, ps=ps, H=2, D=128, G=6, dim=256)
+    return helpers_models.Served(P=P, ps=ps, H=2, D=128, G=6, dim=256)
 
 
 def step_inputs(B, Q, ps, P, W, gen):
-    return test_serving_loop.step_inputs(B, W, Q, gen, dim=256, ps=ps, P=P)
+    return helpers_models.step_inputs(B, W, Q, gen, dim=256, ps=ps, P=P)
 
 
 def recorded(how: str, recordings) -> tuple[int, int]:

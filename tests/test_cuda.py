@@ -565,12 +565,12 @@ def test_raw_op_and_public_function_take_the_route_admit_says(case, monkeypatch,
     # Which route ran: the reference through the fallback counts a call, and the binding's
     # refusal names its rule.
     calls, named = [], []
-    real_ref, real_reason = ops._paged_attention_ref, routes.binding_reason
-    monkeypatch.setattr(ops, "_paged_attention_ref", lambda *a: calls.append(a) or real_ref(*a))
+    real_ref, real_reason = ops.paged_attention_ref, routes.binding_reason
+    monkeypatch.setattr(ops, "paged_attention_ref", lambda *a: calls.append(a) or real_ref(*a))
     monkeypatch.setattr(
         routes, "binding_reason", lambda name, c: named.append(name) or real_reason(name, c)
     )
-    monkeypatch.setattr(routes, "_warned", set())
+    monkeypatch.setattr(routes, "warned", set())
     # DISABLE is the public function's (read on every call; a raw op call reads it at the load
     # only); a CPU call never reaches the binding (the dispatcher runs the CPU kernel).
     by = rule[0].by if rule else "binding"
@@ -598,7 +598,7 @@ def test_raw_op_and_public_function_take_the_route_admit_says(case, monkeypatch,
             record("cuda routes", rel_err(out, ref64), label)
         else:
             assert out.shape == args[0].shape, label
-    assert routes._warned == (
+    assert routes.warned == (
         {want.reason} if by == "binding" and want.route == sa.REFERENCE else set()
     )
 
@@ -619,7 +619,7 @@ def test_public_wrapper_falls_back_with_one_warning(record):
 
 # --- store_kv ---------------------------------------------------------------------------
 def test_store_kv_bit_equal_to_cpu_reference():
-    from test_store_kv import special_values
+    from problems import special_values
 
     gen = torch.Generator().manual_seed(3)
     H, D, ps = 4, 256, 16
@@ -696,18 +696,18 @@ def test_store_then_attend_round_trip(record):
 
 
 def test_check_uses_the_cuda_route():
-    from test_ops import _cli
+    from helpers_cli import cli
 
-    r = _cli("check", "--reps", "3")
+    r = cli("check", "--reps", "3")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("route=cuda") == 2, r.stdout
 
 
 def test_model_demo_on_the_gpu():
     pytest.importorskip("transformers")
-    from test_ops import _cli
+    from helpers_cli import cli
 
-    r = _cli("demo", "--context", "4096", "--new-tokens", "16")
+    r = cli("demo", "--context", "4096", "--new-tokens", "16")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "route of a decode step: cuda" in r.stdout, r.stdout
     assert "--- torch_sm70attn (paged E4M3 cache) continues ---" in r.stdout, r.stdout

@@ -4,6 +4,7 @@ and that a graph it cannot record runs eagerly, counted as a skip. Recording and
 tests/test_compile_cuda.py."""
 
 import torch
+from helpers_cudagraphs import emulated
 from torch._dynamo.utils import counters
 
 import torch_sm70attn as sa
@@ -81,36 +82,6 @@ def test_writes_in_other_forms_are_found():
     written = seen["written"]
     assert {"l_a_", "l_b_", "l_c_", "l_d_", "l_kc_", "l_vc_"} <= written, written
     assert "l_read_" not in written  # the packet's call counts as writing its inputs, only
-
-
-class FakeGraph:
-    """A CUDA graph's semantics on the CPU: capture runs nothing (fn runs on scratch copies to
-    get output buffers of the right shapes); replay runs fn on the tensors it was recorded
-    with (a real graph keeps their addresses) and writes the results into those buffers."""
-
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, list(args)
-        scratch = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        self.out = fn(*scratch)
-
-    def replay(self):
-        for buf, new in zip(self.out, self.fn(*self.args), strict=True):
-            buf.copy_(new)
-
-    def pool(self):
-        return None
-
-
-def emulated(monkeypatch, fail=False):
-    monkeypatch.setattr(cudagraphs, "DEVICE", "cpu")
-
-    def capture(fn, args, pool):
-        if fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        g = FakeGraph(fn, args)
-        return g, g.out
-
-    monkeypatch.setattr(cudagraphs, "_capture", capture)
 
 
 def step(cache, lens, x):

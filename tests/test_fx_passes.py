@@ -8,6 +8,7 @@ import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers_models import Decoder, q8, repeat_kv, write_slots
 from oracle import rel_err
 from torch._dynamo.utils import counters
 from torch_sm70attn.fx_passes import paged_attention as attention_pass
@@ -109,12 +110,7 @@ def plain(q, kc, vc, bt, sl, ks, vs):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def repeat_kv(x, n):
-    """HF transformers' repeat_kv."""
-    b, h, s, d = x.shape
-    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
-
-
+# repeat_kv (HF transformers' own) is in helpers_models.py, with the toy decoder made of it.
 def hf(q, kc, vc, bt, sl, ks, vs):
     """HF style: .half(), scale, transpose, repeat_kv; mask built once."""
     k = (kc[bt.long()].flatten(1, 2).half() * ks).transpose(1, 2)
@@ -801,17 +797,8 @@ def test_no_warning_for_attention_without_a_float8_cache(monkeypatch, caplog):
 
 
 # --- the cache write -------------------------------------------------------------------------
-def q8(x, s):
-    return (x.float() / s).clamp(-448, 448).to(FP8)
-
-
-def write_slots(k, v, kc, vc, slots, ks, vs):
-    """vLLM-style slot assignment into a [slots, H, D] view."""
-    H, D = kc.shape[2:]
-    kc.view(-1, H, D)[slots] = q8(k, ks)
-    vc.view(-1, H, D)[slots] = q8(v, vs)
-
-
+# q8 and write_slots (vLLM-style slot assignment) are in helpers_models.py, with the toy decoder
+# that writes its caches with them.
 def write_index_put(k, v, kc, vc, slots, ks, vs):
     """index_put_ / index_copy_ on the view, the division in float32, clamp(min=, max=)."""
     H, D = kc.shape[2:]
@@ -1012,49 +999,7 @@ def test_store_negative_twins(fn, reason, caplog):
         torch.testing.assert_close(out, want)
 
 
-# --- a toy decoder through the real backend ----------------------------------------------------
-class Layer(torch.nn.Module):
-    def __init__(self, dim, H, D, G):
-        super().__init__()
-        self.H, self.D, self.G = H, D, G
-        self.qkv = torch.nn.Linear(dim, (H * G + 2 * H) * D, bias=False)
-        self.o = torch.nn.Linear(H * G * D, dim, bias=False)
-        self.register_buffer("k_scale", torch.tensor(0.05))
-        self.register_buffer("v_scale", torch.tensor(0.04))
-
-    def forward(self, x, kc, vc, bt, sl, slots):
-        B, Q, _ = x.shape
-        H, D, G = self.H, self.D, self.G
-        q, k, v = self.qkv(x).view(B, Q, H * (G + 2), D).split([H * G, H, H], dim=2)
-        write_slots(
-            k.reshape(B * Q, H, D),
-            v.reshape(B * Q, H, D),
-            kc,
-            vc,
-            slots,
-            self.k_scale,
-            self.v_scale,
-        )
-        kk = (kc[bt].flatten(1, 2).half() * self.k_scale).transpose(1, 2)
-        vv = (vc[bt].flatten(1, 2).half() * self.v_scale).transpose(1, 2)
-        mask = sa.verifier_mask(sl, Q, kk.shape[2])
-        a = F.scaled_dot_product_attention(
-            q.transpose(1, 2), repeat_kv(kk, G), repeat_kv(vv, G), attn_mask=mask
-        )
-        return x + self.o(a.transpose(1, 2).reshape(B, Q, H * G * D))
-
-
-class Decoder(torch.nn.Module):
-    def __init__(self, layers=2, dim=64, H=2, D=64, G=2):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(Layer(dim, H, D, G) for _ in range(layers))
-
-    def forward(self, x, caches, bt, sl, slots):
-        for layer, (kc, vc) in zip(self.layers, caches, strict=True):
-            x = layer(x, kc, vc, bt, sl, slots)
-        return x
-
-
+# --- a toy decoder (helpers_models.py) through the real backend --------------------------------
 def test_two_layer_decoder_rewrites_every_layer():
     torch.manual_seed(0)
     B, Q, H, D, ps, P = 2, 3, 2, 64, 16, 10

@@ -72,7 +72,7 @@ def test_two_installs_hand_the_builder_the_same_paths(builder, tmp_path, monkeyp
     assert first["extra_include_paths"] == [str(out / "src"), *TOOLKIT.includes]
     assert first["sources"] == [str(out / "src" / "binding.cpp")]
     assert first["with_cuda"] is False  # the host compiler alone: no nvcc, no CUDA_HOME
-    assert _jit._same_tree(a, out / "src")
+    assert _jit.same_tree(a, out / "src")
 
 
 def test_staged_sources_are_reused_and_a_broken_copy_replaced(builder, tmp_path, monkeypatch):
@@ -85,7 +85,7 @@ def test_staged_sources_are_reused_and_a_broken_copy_replaced(builder, tmp_path,
     (src / "sm70attn" / "plan.h").unlink()  # a copy cut short
     (src / "binding.cpp").write_text("// stale")
     _jit.load.__wrapped__()
-    assert _jit._same_tree(_jit.csrc_dir(), src)
+    assert _jit.same_tree(_jit.csrc_dir(), src)
     assert not list(src.parent.glob("src.tmp-*"))
 
 
@@ -150,7 +150,7 @@ def test_processes_staging_at_once_agree(tmp_path):
         f"go = pathlib.Path({str(go)!r})\n"
         "while not go.exists(): time.sleep(0.001)\n"
         f"src = _jit.stage_sources(pathlib.Path({str(out)!r}))\n"
-        "assert _jit._same_tree(_jit.csrc_dir(), src)\n"
+        "assert _jit.same_tree(_jit.csrc_dir(), src)\n"
     )
     procs = [
         subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE) for _ in range(4)
@@ -159,7 +159,7 @@ def test_processes_staging_at_once_agree(tmp_path):
     go.touch()
     errs = [p.communicate(timeout=120)[1].decode() for p in procs]
     assert all(p.returncode == 0 for p in procs), errs
-    assert _jit._same_tree(CSRC, out / "src")
+    assert _jit.same_tree(CSRC, out / "src")
     assert not list(out.glob("src.tmp-*"))
 
 

@@ -1,13 +1,11 @@
 """Operator contracts: opcheck, fake kernels, input errors, value checks, routes."""
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_cli import cli
 from problems import make_problem, op_args
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -325,19 +323,8 @@ def test_shape_refusal_at_the_capacity_bound():
 
 
 # --- the CLI --------------------------------------------------------------------------
-def _cli(*args, **env_vars):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **env_vars)
-    return subprocess.run(
-        [sys.executable, "-m", "torch_sm70attn", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-
-
 def test_cli_info():
-    r = _cli("info")
+    r = cli("info")
     assert r.returncode == 0, r.stderr
     assert "capability manifest" in r.stdout and "262144" in r.stdout
     if torch.version.cuda is None:  # a CPU build: what it has, not an extra that cannot help
@@ -352,7 +339,7 @@ def test_cli_info_says_where_nvrtc_comes_from():
     """The NVRTC it found and the headers' folders, or the extra to install."""
     from torch_sm70attn import toolchain
 
-    r = _cli("info", CUDA_VISIBLE_DEVICES="")
+    r = cli("info", CUDA_VISIBLE_DEVICES="")
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("NVRTC"))
     try:
@@ -363,29 +350,29 @@ def test_cli_info_says_where_nvrtc_comes_from():
 
 
 def test_cli_check():
-    r = _cli("check", "--device", "cpu", "--context", "2000", "--reps", "1")
+    r = cli("check", "--device", "cpu", "--context", "2000", "--reps", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(" ok") == 2, r.stdout
 
 
 def test_cli_build_without_gpu_or_arch_list():
-    r = _cli("build", CUDA_VISIBLE_DEVICES="", TORCH_CUDA_ARCH_LIST="")
+    r = cli("build", CUDA_VISIBLE_DEVICES="", TORCH_CUDA_ARCH_LIST="")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "no CUDA device and no TORCH_CUDA_ARCH_LIST" in r.stderr
 
 
 def test_cli_check_small_context():
-    r = _cli("check", "--device", "cpu", "--context", "100", "--reps", "1")
+    r = cli("check", "--device", "cpu", "--context", "100", "--reps", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(" ok") == 2, r.stdout
     for bad in ("0", "-5", "7"):
-        r = _cli("check", "--device", "cpu", "--context", bad)
+        r = cli("check", "--device", "cpu", "--context", bad)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert "argument --context: must be >= 8" in r.stderr, r.stderr
 
 
 def test_cli_check_cuda_without_gpu():
-    r = _cli("check", "--device", "cuda", "--reps", "1", CUDA_VISIBLE_DEVICES="")
+    r = cli("check", "--device", "cuda", "--reps", "1", CUDA_VISIBLE_DEVICES="")
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert "argument --device: cuda is not available" in r.stderr, r.stderr
     assert "--device cpu" in r.stderr, r.stderr

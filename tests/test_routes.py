@@ -17,6 +17,7 @@ from torch_sm70attn import ops, reference, routes
 
 BINDING = Path(__file__).resolve().parents[1] / "csrc" / "binding.cpp"
 NAMES = [r.name for r in routes.RULES]
+BY_NAME = {r.name: r for r in routes.RULES}
 
 
 def test_every_rule_has_a_case_and_every_case_a_rule():
@@ -90,8 +91,8 @@ def test_the_op_serves_every_case_on_the_cpu(case, monkeypatch):
     )
     assert rule is not None and rule[0].name in ("device", case[1])  # (on the CPU: device first)
     args = op_args(p)
-    if case[1] in NAMES and routes._BY_NAME[case[1]].by == "op":
-        with pytest.raises(TypeError, match=routes._BY_NAME[case[1]].tensor):
+    if case[1] in NAMES and BY_NAME[case[1]].by == "op":
+        with pytest.raises(TypeError, match=BY_NAME[case[1]].tensor):
             torch.ops.sm70attn.paged_attention(*args)
         return
     out = torch.ops.sm70attn.paged_attention(*args)
@@ -118,7 +119,7 @@ def test_reason_words_from_the_table():
 def test_cuda_fallback_warns_the_binding_rule_in_the_tables_words(monkeypatch):
     """The Python half of the binding's refusal, on CPU tensors: the rule the binding names is
     worded by the table, warned once, and the reference computes the call."""
-    monkeypatch.setattr(routes, "_warned", set())
+    monkeypatch.setattr(routes, "warned", set())
     monkeypatch.delenv("TORCH_SM70ATTN_DISABLE", raising=False)
     p = make_problem(B=2, H_kv=1, G=2, Q=1, D=96)
     args = op_args(p)

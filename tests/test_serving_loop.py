@@ -8,45 +8,16 @@ import copy
 
 import pytest
 import torch
+from helpers_models import LAYERS, Served, step_inputs
 from oracle import rel_err
-from test_fx_passes import Decoder
 from torch._dynamo.utils import counters
 
 import torch_sm70attn  # noqa: F401
 from torch_sm70attn.backend import pad_batch
 
 FP8 = torch.float8_e4m3fn
-LAYERS, H, D, G, PS, P, DIM = 2, 2, 64, 2, 16, 64, 64
 DECODE = [(2, 3), (3, 3), (4, 5), (5, 2), (2, 6)]  # (B, table width) of the issue's loop
 VERIFY = [(3, 3, 4), (4, 3, 4), (5, 5, 8), (2, 2, 6), (3, 6, 8)]  # (B, width, Q)
-
-
-class Served(torch.nn.Module):
-    """The toy decoder (tests/test_fx_passes.py) with its paged caches as buffers."""
-
-    def __init__(self, layers=LAYERS, dim=DIM, H=H, D=D, G=G, P=P, ps=PS):
-        super().__init__()
-        self.dec = Decoder(layers=layers, dim=dim, H=H, D=D, G=G).half()  # before the fp8 caches
-        for i in range(layers):
-            for kv in "kv":
-                self.register_buffer(f"{kv}{i}", (torch.randn(P, ps, H, D) * 8).to(FP8))
-
-    def forward(self, x, bt, sl, slots):
-        caches = [
-            (getattr(self, f"k{i}"), getattr(self, f"v{i}")) for i in range(len(self.dec.layers))
-        ]
-        return self.dec(x, caches, bt, sl, slots)
-
-
-def step_inputs(B, W, Q, gen, dim=DIM, ps=PS, P=P):
-    """One step: disjoint shuffled pages (the last page kept free, so that eager writes of
-    padding slot -1 land there), lengths in [Q, capacity], the slots of the Q new tokens."""
-    bt = torch.randperm(P - 1, generator=gen)[: B * W].view(B, W).int()
-    sl = torch.randint(Q, W * ps + 1, (B,), generator=gen).int()
-    pos = sl[:, None] - Q + torch.arange(Q)
-    slots = (bt.gather(1, (pos // ps).long()) * ps + pos % ps).long()
-    x = torch.randn(B, Q, dim, generator=gen).half()
-    return x, bt, sl, slots
 
 
 def fused_calls(fn):

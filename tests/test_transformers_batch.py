@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_transformers import (  # noqa: E402
+from helpers_transformers import (  # noqa: E402
     KS,
     VS,
     E4M3DynamicCache,
@@ -68,7 +68,7 @@ def cache(model, batch=1, **kw):
 
 def greedy_alone(model, prompt, new):
     """A request generated alone, greedy: its new tokens and the logits of each step (for
-    test_transformers.near_tie)."""
+    helpers_transformers.near_tie)."""
     with torch.no_grad():
         out = model.generate(
             prompt[None], cache=cache(model), max_new_tokens=new, do_sample=False,
@@ -342,7 +342,7 @@ def gen_fresh(model, ids, n=6):
 
 
 def test_generate_without_the_cache_warns_once(model):
-    hf._warned.discard("unpaged")
+    hf.warned.discard("unpaged")
     ids = requests((10,))[0][None]
     with pytest.warns(UserWarning, match="without a PagedE4M3Cache"):
         with torch.no_grad():
@@ -539,7 +539,7 @@ def test_serve_records_one_cuda_graph_over_two_calls(model, monkeypatch):
     """The backend's CUDA-graph recorder (emulated on the CPU, as tests/test_cudagraphs.py
     does) records the verify step once: a second call on the same cache keeps its table,
     lengths and flags where the graph reads them (it was recorded again per call before)."""
-    from test_cudagraphs import emulated
+    from helpers_cudagraphs import emulated
     from torch._dynamo.utils import counters
 
     emulated(monkeypatch)

@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import test_transformers  # noqa: E402
+import helpers_transformers  # noqa: E402
 from oracle import rel_err  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 from transformers import CompileConfig  # noqa: E402
@@ -36,7 +36,7 @@ def paged(model, batch=1):
     )
 
 
-class QuantizedDynamicCache(test_transformers.QuantizedDynamicCache):
+class QuantizedDynamicCache(helpers_transformers.QuantizedDynamicCache):
     ks, vs = KS, VS  # the scales of this file's paged caches
 
 
@@ -128,7 +128,7 @@ def test_prompt_lookup_keeps_the_greedy_tokens_up_to_a_near_tie(model, record):
     greedy = g.sequences[0, CTX:]
     spec = generate(model, ids, paged(model), prompt_lookup_num_tokens=4)[0, CTX:]
     assert spec.shape == greedy.shape
-    record("hf prompt lookup vs greedy", 0.0, test_transformers.near_tie(spec, greedy, g.logits))
+    record("hf prompt lookup vs greedy", 0.0, helpers_transformers.near_tie(spec, greedy, g.logits))
 
 
 @pytest.mark.parametrize("which", ["transformers", "sm70attn"])
@@ -181,7 +181,8 @@ def test_batch_of_8_different_lengths_equals_each_request_alone(model, compiled,
     """8 left-padded requests of 400 to 4000 tokens: each request's 24 tokens equal that request
     generated alone (same scales, same pages per request), eager and compiled with the backend's
     CUDA graphs, up to the first near tie: the attention is bitwise the same batched and alone
-    (test_cuda.py), the model's matrix products of 8 rows and of 1 are not (test_transformers.near_tie)."""
+    (test_cuda.py), the model's matrix products of 8 rows and of 1 are not
+    (helpers_transformers.near_tie)."""
     model.set_attn_implementation(hf.NAME)
     ids, mask = left_padded(LENGTHS)
     config = hf.compile_config(mode=None, options={"inner": "cudagraphs"}) if compiled else None
@@ -195,7 +196,7 @@ def test_batch_of_8_different_lengths_equals_each_request_alone(model, compiled,
     for b, n in enumerate(LENGTHS):
         kw = dict(output_logits=True, return_dict_in_generate=True)
         alone = generate(model, ids[b : b + 1, -n:], capped(model, 1), config, **kw)
-        notes.append(test_transformers.near_tie(got[b], alone.sequences[0, n:], alone.logits))
+        notes.append(helpers_transformers.near_tie(got[b], alone.sequences[0, n:], alone.logits))
     equal = notes.count("tokens equal")
     record(
         f"hf batch of 8 {'compiled' if compiled else 'eager'}",
@@ -209,7 +210,7 @@ def test_speculative_batch_compiled_equals_eager_and_greedy(model, record):
     """The batched verify loop (prompt lookup, 7 drafts, per-request acceptance) on 4 requests
     of different lengths: compiled verify steps (backend CUDA graphs) give the eager loop's
     tokens; each request's tokens are its greedy tokens alone up to the first near tie (a verify
-    step's rows round otherwise than decode steps' rows: test_transformers.near_tie)."""
+    step's rows round otherwise than decode steps' rows: helpers_transformers.near_tie)."""
     from torch_sm70attn.integrations import speculative
 
     model.set_attn_implementation(hf.NAME)
@@ -233,7 +234,9 @@ def test_speculative_batch_compiled_equals_eager_and_greedy(model, record):
             output_logits=True,
             return_dict_in_generate=True,
         )
-        notes.append(test_transformers.near_tie(got.tokens[b][:24], g.sequences[0, n:], g.logits))
+        notes.append(
+            helpers_transformers.near_tie(got.tokens[b][:24], g.sequences[0, n:], g.logits)
+        )
     record(
         "hf speculative batch of 4",
         0.0,
@@ -267,7 +270,7 @@ def test_serve_compiled_equals_eager_one_graph(model, record):
         kw = dict(output_logits=True, return_dict_in_generate=True)
         g = generate(model, p[None], capped(model, 1), **kw)
         notes.append(
-            test_transformers.near_tie(got.tokens[b], g.sequences[0, p.numel() :], g.logits)
+            helpers_transformers.near_tie(got.tokens[b], g.sequences[0, p.numel() :], g.logits)
         )
     record(
         "hf serve 8 requests, 3 slots",

@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers needs it for tp_plan
 
+from helpers_transformers import tiny  # noqa: E402
 from oracle import rel_err  # noqa: E402
-from test_transformers import tiny  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("tp_worker.py"))

@@ -90,7 +90,7 @@ def sweep(n):
         g = random_geometry(rng)
         p = make_problem(device="cuda", **g)
         out = torch.ops.sm70attn.paged_attention(*op_args(p))
-        ref = sa.ops._paged_attention_ref(*op_args(p))
+        ref = sa.ops.paged_attention_ref(*op_args(p))
         err = float((out.float() - ref.float()).abs().max()) if out.numel() else 0.0
         ok = bool(torch.isfinite(out).all()) and err <= 2e-2
         bad += not ok

@@ -137,7 +137,7 @@ def paged_attention(
     # The route is the binding's to decide, as for the raw op's calls (routes.py), except that
     # TORCH_SM70ATTN_DISABLE is read here on every call.
     if query.device.type == "cuda" and routes.disabled():
-        return ops._paged_attention_ref(*args)
+        return ops.paged_attention_ref(*args)
     return torch.ops.sm70attn.paged_attention.default(*args)
 
 

@@ -104,7 +104,7 @@ def make_dir(path: Path) -> None:
         ) from None
 
 
-def _same_tree(a: Path, b: Path) -> bool:
+def same_tree(a: Path, b: Path) -> bool:
     """Whether b holds a's sources (the files the digest covers), byte for byte."""
     files = _sources(a)
     return files == _sources(b) and all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
@@ -115,7 +115,7 @@ def stage_sources(out: Path) -> Path:
     process: a copy under a private name is renamed into place, and a loser of the race drops
     its own. Plain file copies (no mode bits: a read-only install's must stay deletable)."""
     src, root = out / "src", csrc_dir()
-    if src.is_dir() and _same_tree(root, src):
+    if src.is_dir() and same_tree(root, src):
         return src
     if src.exists():  # a partial copy of an older version of this code can be here
         shutil.rmtree(src, ignore_errors=True)
@@ -128,7 +128,7 @@ def stage_sources(out: Path) -> Path:
         os.rename(tmp, src)
     except OSError:  # another process put its copy first
         shutil.rmtree(tmp, ignore_errors=True)
-    if not _same_tree(root, src):
+    if not same_tree(root, src):
         raise RuntimeError(f"torch_sm70attn: the staged sources in {src} differ from {root}")
     return src
 

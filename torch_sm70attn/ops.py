@@ -36,9 +36,13 @@ def _paged_attention_fake(
     return query.new_empty(query.shape)  # contiguous, like every real kernel's output
 
 
-def _paged_attention_ref(
+def paged_attention_ref(
     query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale
 ):
+    """paged_attention's reference route, checks included: the CPU kernel, and what a CUDA call
+    runs that the binding refused or that TORCH_SM70ATTN_DISABLE kept from it. cuda_fallback and
+    the public function look it up by this name at each call: a test counts those calls by
+    replacing it."""
     _, _, _, _, P, page_size, _ = checks.check_paged_attention(
         query, key_cache, value_cache, block_table, seq_lens, k_scale, v_scale
     )
@@ -49,7 +53,7 @@ def _paged_attention_ref(
     )
 
 
-lib.impl("paged_attention", _paged_attention_ref, "CPU")
+lib.impl("paged_attention", paged_attention_ref, "CPU")
 
 # ---------------------------------------------------------------------------------------
 lib.define(
@@ -134,7 +138,7 @@ lib.impl("verifier_mask", _verifier_mask_any, "CompositeExplicitAutograd")
 # TORCH_SM70ATTN_DISABLE=1 at that first call nothing is built and CUDA calls run the reference
 # (right, slow, not capturable).
 _REFERENCE = {
-    "paged_attention": _paged_attention_ref,
+    "paged_attention": paged_attention_ref,
     "paged_attention_varlen": _paged_attention_varlen_ref,
     "store_kv": _store_kv_ref,
 }
@@ -166,7 +170,7 @@ def cuda_fallback(
     reason is warned once per reason, as for the public function's calls."""
     call = routes.Call(query, key_cache, value_cache, block_table)
     routes.warn_fallback(routes.binding_reason(rule, call))
-    return _paged_attention_ref(
+    return paged_attention_ref(
         query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale
     )
 

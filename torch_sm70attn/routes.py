@@ -224,14 +224,16 @@ def binding_reason(name: str, call: Call) -> str:
     return why or f"{name} (the binding's check; admit, which sees only metadata, passes this call)"
 
 
-_warned: set[str] = set()
+# The reasons warn_fallback has warned in this process, each once. Public for the tests, which
+# read it and give it an empty set to see a reason warned again.
+warned: set[str] = set()
 
 
 def warn_fallback(reason: str) -> None:
     """One warning per distinct reason a CUDA call takes the reference route."""
     log.debug("paged_attention -> reference: %s", reason)
-    if reason not in _warned and not disabled():
-        _warned.add(reason)
+    if reason not in warned and not disabled():
+        warned.add(reason)
         warnings.warn(
             f"torch_sm70attn: paged_attention takes the slow reference route: {reason}",
             stacklevel=3,

@@ -50,7 +50,9 @@ NAME = "sm70attn"  # no "flash" in it: transformers would look for a flash-atten
 FP8 = torch.float8_e4m3fn
 MAX_ROWS = paging.MAX_ROWS  # more query rows take the prefill route
 HEADROOM = 2.0  # calibrated scale = amax / 448 * HEADROOM: later tokens may be larger
-_warned: set[str] = set()
+# The keys of the one-time warnings given in this process. Public for the tests, which drop a
+# key to see its warning again.
+warned: set[str] = set()
 
 
 def register(name: str = NAME) -> str:
@@ -71,8 +73,8 @@ def compile_config(**kw):
 
 
 def _warn_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
+    if key not in warned:
+        warned.add(key)
         warnings.warn(msg, stacklevel=3)
 
 
