@@ -150,7 +150,7 @@ def test_no_tokens_and_no_requests():
 
 
 def test_paged_attention_varlen_through_the_public_function_and_admit(monkeypatch):
-    monkeypatch.setattr(routes, "_warned", set())  # one warning per reason and process
+    monkeypatch.setattr(routes, "warned", set())  # one warning per reason and process
     p = make_varlen_problem(q_lens=(2, 30), pasts=(100, 0), G=4, D=128, device=DEV)
     keys = ("query", "key_cache", "value_cache", "block_table", "query_start_loc", "seq_lens")
     out = sa.paged_attention_varlen(*(p[k] for k in keys), scale=p["scale"], k_scale=p["k_scale"],
