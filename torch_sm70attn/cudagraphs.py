@@ -117,26 +117,70 @@ def graphed(gm: fx.GraphModule, example_inputs):
     an input is not a CUDA tensor or an int, when autograd records (training), or when a
     capture fails."""
     fn = gm.forward
+    why = _unsupported(example_inputs)
+    if why is not None:
+        return _eager(fn, why)
+    graphs = _Graphs(fn, written_inputs(gm.graph) | static_inputs(gm.graph))
+
+    def run(*args):
+        if torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args
+        ):
+            counters["sm70attn"]["cuda_graph_skips"] += 1  # autograd: no graph, as eager
+            return fn(*args)
+        return graphs.run(args)
+
+    return run
+
+
+def _unsupported(example_inputs) -> str | None:
+    """Why no CUDA graph can run these inputs (the last input that says so), or None."""
     why = None
     for x in example_inputs:
         if isinstance(x, torch.Tensor) and x.device.type != DEVICE:
             why = f"an input is on {x.device}"
         elif not isinstance(x, (torch.Tensor, int, torch.SymInt)):
             why = f"an input is a {type(x).__name__}"
-    if why is not None:
-        return _eager(fn, why)
-    written = written_inputs(gm.graph) | static_inputs(gm.graph)
-    recordings: dict[tuple, _Recording] = {}
-    warm: set[tuple] = set()
-    eager_only: set[tuple] = set()
+    return why
 
-    def in_place(args) -> list[bool]:
+
+class _Graphs:
+    """The CUDA graphs of one compiled graph `fn`, one per input signature (`key`): the first
+    call of a signature runs eagerly (`warm_up`), the second records its graph (`record`),
+    the later ones replay it. `written`: positions of the inputs used in place, found in the
+    graph (written or static) and added to by the warm-up calls."""
+
+    def __init__(self, fn, written: set[int]):
+        self.fn, self.written = fn, written
+        self.recordings: dict[tuple, _Recording] = {}
+        self.warm: set[tuple] = set()
+        self.eager_only: set[tuple] = set()  # signatures whose capture failed
+
+    def run(self, args):
+        """A call without autograd: replayed, eager or recorded, by its signature."""
+        place = self.in_place(args)
+        k = self.key(args, place)
+        rec = self.recordings.get(k)
+        if rec is not None:
+            return rec.replay(args)
+        if k in self.eager_only:
+            return self.fn(*args)
+        if k not in self.warm:  # first call of a signature: eager (lazy init, cuBLAS, ...)
+            return self.warm_up(k, args)
+        return self.record(k, args, place)
+
+    def in_place(self, args) -> list[bool]:
+        """Per input, whether the graph uses it at its address: written or static, or large."""
         return [
-            isinstance(a, torch.Tensor) and (i in written or a.untyped_storage().nbytes() >= LARGE)
+            isinstance(a, torch.Tensor)
+            and (i in self.written or a.untyped_storage().nbytes() >= LARGE)
             for i, a in enumerate(args)
         ]
 
+    @staticmethod
     def key(args, place) -> tuple:
+        """The input signature: shapes, strides, dtypes, devices, the address of each input
+        used in place, and the int inputs."""
         k = []
         for a, p in zip(args, place, strict=True):
             if isinstance(a, torch.Tensor):
@@ -147,56 +191,47 @@ def graphed(gm: fx.GraphModule, example_inputs):
                 k.append(a)
         return tuple(k)
 
-    def run(*args):
-        if torch.is_grad_enabled() and any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in args
-        ):
-            counters["sm70attn"]["cuda_graph_skips"] += 1  # autograd: no graph, as eager
-            return fn(*args)
-        place = in_place(args)
-        k = key(args, place)
-        rec = recordings.get(k)
-        if rec is not None:
-            return rec.replay(args)
-        if k in eager_only:
-            return fn(*args)
-        if k not in warm:  # first call of a signature: eager (lazy init, cuBLAS, ...)
-            if len(warm) >= 4 * MAX_RECORDINGS:
-                log.warning(
-                    "sm70attn backend: inputs at new addresses at every call: no CUDA graph "
-                    "(a cache or other written tensor must keep its address)"
-                )
-                warm.clear()
-            warm.add(k)
-            before = _versions(args)
-            out = fn(*args)
-            seen = {
-                i
-                for i, (v, a) in enumerate(zip(before, args, strict=True))
-                if v is not None and a._version != v
-            }
-            written.update(seen)  # writes the analysis missed: in place from now on
-            return out
-        if len(recordings) == MAX_RECORDINGS:
+    def warm_up(self, k: tuple, args):
+        """The eager call of a new signature; the inputs it wrote are used in place from now
+        on (writes the analysis missed)."""
+        if len(self.warm) >= 4 * MAX_RECORDINGS:
+            log.warning(
+                "sm70attn backend: inputs at new addresses at every call: no CUDA graph "
+                "(a cache or other written tensor must keep its address)"
+            )
+            self.warm.clear()
+        self.warm.add(k)
+        before = _versions(args)
+        out = self.fn(*args)
+        seen = {
+            i
+            for i, (v, a) in enumerate(zip(before, args, strict=True))
+            if v is not None and a._version != v
+        }
+        self.written.update(seen)
+        return out
+
+    def record(self, k: tuple, args, place):
+        """The second call of a signature: its graph recorded, then replayed; a failed capture
+        runs eagerly, for this signature from now on."""
+        if len(self.recordings) == MAX_RECORDINGS:
             log.warning(
                 "sm70attn backend: %d CUDA graphs recorded for one compiled graph, dropped "
                 "to record again: too many shapes (pad the batch: backend.pad_batch), or "
                 "new caches (reuse one: cache.reset())",
                 MAX_RECORDINGS,
             )
-            recordings.clear()
+            self.recordings.clear()
         # all recordings of this graph share the memory pool of a live one
-        pool = next(iter(recordings.values())).graph.pool() if recordings else None
+        pool = next(iter(self.recordings.values())).graph.pool() if self.recordings else None
         try:
-            rec = recordings[k] = _Recording(fn, args, place, pool)
+            rec = self.recordings[k] = _Recording(self.fn, args, place, pool)
         except Exception as e:  # noqa: BLE001 - e.g. a host sync or copy inside the graph
-            eager_only.add(k)
+            self.eager_only.add(k)
             counters["sm70attn"]["cuda_graph_skips"] += 1
             log.warning("sm70attn backend: CUDA graph capture failed (%s); runs eagerly", e)
-            return fn(*args)
+            return self.fn(*args)
         return rec.replay(args)
-
-    return run
 
 
 def _eager(fn, why: str):

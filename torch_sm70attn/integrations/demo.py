@@ -117,7 +117,7 @@ def run(
     """The shipped model (or the transformers folder `model`) continuing this package's own
     source: `batch` requests of `context` tokens, `new` greedy tokens each."""
     from . import shipped
-    from .transformers import NAME, PagedE4M3Cache, compile_config
+    from .transformers import NAME, PagedE4M3Cache
 
     if device.type == "cuda":
         _say("building (or loading) the CUDA kernels; the first build takes about a minute ...")
@@ -128,6 +128,37 @@ def run(
     cfg = model.config
     eot = shipped.eot_id(tok)
     ids = shipped.continuations(shipped.own_source(tok), eot, context, batch).to(device)
+    _introduce(model, device, batch, context, new)
+    # one cache for every run of ours (reset in between), its scales calibrated once on a
+    # sample: every run, eager or compiled, stores the same values
+    cache = PagedE4M3Cache(
+        cfg, max_tokens=batch * (context + new + draft + 16), max_batch_size=batch
+    )
+    model.set_attn_implementation(NAME)
+    cache.calibrate(model, ids[:1, : min(context, 4096)])
+    rows, (ref, ref_logits), (greedy, logits) = _paths(model, ids, cache, new, draft, runs)
+    _table(rows, runs, new, batch, device)
+    status = 0
+    for name, seqs, *_ in rows[1:]:
+        if "compiled" in name and "decode" in name and not torch.equal(seqs, greedy):
+            _say(f"{name} differs from eager decode: a bug, please report it")
+            status = 1
+    _agreement(ref, ref_logits, greedy, logits)
+    for name, seqs, *_ in rows:
+        if "prompt lookup" in name:
+            d = (seqs != greedy).nonzero()
+            same = "yes" if not d.numel() else f"no, from token {int(d[:, 1].min())}"
+            _say(
+                f"{name} emitted the greedy tokens in this run: {same} (a verify step's GEMMs "
+                "round differently from a decode step's: near-ties can flip)"
+            )
+    _texts(tok, ids, greedy, ref)
+    return status if bool(torch.isfinite(logits).all()) else 1
+
+
+def _introduce(model, device, batch: int, context: int, new: int) -> None:
+    """What runs: the device, the model, the prompts, and the route of a decode step."""
+    cfg = model.config
     _say(
         f"device {device}; {'the shipped model' if model.name_or_path == str(sa.model_path()) else model.name_or_path} "
         f"(Qwen3 architecture trained on Python source: {cfg.num_hidden_layers} layers, "
@@ -141,13 +172,14 @@ def run(
     )
     route = sa.admit(q, kc)
     _say(f"route of a decode step: {route.route} ({route.reason})")
-    # one cache for every run of ours (reset in between), its scales calibrated once on a
-    # sample: every run, eager or compiled, stores the same values
-    cache = PagedE4M3Cache(
-        cfg, max_tokens=batch * (context + new + draft + 16), max_batch_size=batch
-    )
-    model.set_attn_implementation(NAME)
-    cache.calibrate(model, ids[:1, : min(context, 4096)])
+
+
+def _paths(model, ids, cache, new: int, draft: int, runs: int):
+    """Each path timed (`_median_runs`): stock transformers, then ours through `cache` (reset
+    before each run): decode, prompt lookup and, on a GPU, both compiled. Returns (rows: per
+    path its name and what _median_runs gives; (tokens, logits) of one more greedy run of
+    stock's; the same of our decode), the last two untimed."""
+    from .transformers import NAME, compile_config
 
     def ours(fn, *a, **kw):
         def go():
@@ -174,7 +206,7 @@ def run(
     rows.append(
         (f"sm70attn, prompt lookup {draft}", *_median_runs(ours(_lookup, new, draft), runs))
     )
-    if device.type == "cuda":  # decode and verify steps as one graph each, CUDA graphs
+    if ids.device.type == "cuda":  # decode and verify steps as one graph each, CUDA graphs
         _say("torch_sm70attn compiled (fullgraph, the backend's CUDA graphs): compiling ...")
         config = compile_config(mode=None, options={"inner": "cudagraphs"})  # a V100's path
         rows.append(
@@ -189,6 +221,11 @@ def run(
                 *_median_runs(ours(_lookup, new, draft, forward=fwd), runs),
             )
         )
+    return rows, (ref, ref_logits), (greedy, logits)
+
+
+def _table(rows, runs: int, new: int, batch: int, device) -> None:
+    """The paths' medians: prompt s, ms a token after it, tokens/s, tokens a step."""
     _say(
         f"\n{'path':<36} {'prompt s':>9} {'decode ms/token':>16} {'tokens/s':>9} "
         f"{'tokens/step':>11}   (medians of {runs} warm runs; decode after the prompt)"
@@ -202,16 +239,14 @@ def run(
             "(timings on a CPU say nothing about a GPU: here the attention takes the reference "
             "route, plain PyTorch, and a CPU's cost of a step, a row or a draft is not a GPU's)"
         )
-    status = 0
-    for name, seqs, *_ in rows[1:]:
-        if "compiled" in name and "decode" in name and not torch.equal(seqs, greedy):
-            _say(f"{name} differs from eager decode: a bug, please report it")
-            status = 1
-    # each request's logits compared at every step whose inputs agree: up to and including
-    # the first step whose greedy tokens differ
+
+
+def _agreement(ref, ref_logits, greedy, logits) -> None:
+    """Each request's greedy tokens against stock's, and the largest logit deviation at every
+    step whose inputs agree: up to and including the first step whose greedy tokens differ."""
     n = min(ref.shape[1], greedy.shape[1])
     dev, scale, agreed = 0.0, 0.0, []
-    for b in range(batch):
+    for b in range(ref.shape[0]):
         d = (ref[b, :n] != greedy[b, :n]).nonzero()
         first = int(d[0]) if d.numel() else n
         agreed.append(first)
@@ -227,14 +262,10 @@ def run(
         "(the FP8 KV cache rounds K and V to 3 mantissa bits: small deviations, and where two "
         "logits nearly tie a different token, are expected; docs/quality.md measures them)"
     )
-    for name, seqs, *_ in rows:
-        if "prompt lookup" in name:
-            d = (seqs != greedy).nonzero()
-            same = "yes" if not d.numel() else f"no, from token {int(d[:, 1].min())}"
-            _say(
-                f"{name} emitted the greedy tokens in this run: {same} (a verify step's GEMMs "
-                "round differently from a decode step's: near-ties can flip)"
-            )
+
+
+def _texts(tok, ids, greedy, ref) -> None:
+    """Request 0: the end of its prompt, our continuation and stock's, as text."""
     lines = tok.decode(ids[0, -256:]).splitlines()[-6:]
     _say("\n--- request 0: the prompt ends ---\n" + "\n".join(lines))
     ours_text = tok.decode(greedy[0])
@@ -244,4 +275,3 @@ def run(
         _say("--- stock float16 continues: the same text ---")
     else:
         _say("--- stock float16 continues ---\n" + stock_text)
-    return status if bool(torch.isfinite(logits).all()) else 1

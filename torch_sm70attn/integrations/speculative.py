@@ -83,7 +83,7 @@ def generate(
     if max_new_tokens < 1 or drafts < 1:
         raise ValueError("speculative.generate: need max_new_tokens >= 1 and drafts >= 1")
     _check_assistant(model, assistant, "speculative.generate")
-    eos = set() if eos_token_id is None else set(torch.tensor(eos_token_id).reshape(-1).tolist())
+    eos = _eos(eos_token_id)
     forward = model if forward is None else forward
     B, dev = input_ids.shape[0], input_ids.device
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(dev)
@@ -156,77 +156,138 @@ def serve(
     _check_assistant(model, assistant, "speculative.serve")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError("speculative.serve: prefill_chunk >= 1 tokens (or None: whole prompts)")
-    eos = set() if eos_token_id is None else set(torch.tensor(eos_token_id).reshape(-1).tolist())
+    eos = _eos(eos_token_id)
     forward = model if forward is None else forward
-    n, dev, S = len(prompts), model.device, cache.max_batch_size
-    caches, drafter = [cache], None  # drafter: the assistant's (forward, cache)
+    dev, S = model.device, cache.max_batch_size
+    pairs, drafter = [(model, cache)], None  # drafter: the assistant's (forward, cache)
     if assistant is not None:
         if assistant_cache is None or assistant_cache.max_batch_size != S:
             raise ValueError(
                 f"speculative.serve: an assistant needs its own assistant_cache of {S} slots "
                 "(max_batch_size), as many as the cache's"
             )
-        caches.append(assistant_cache)
+        pairs.append((assistant, assistant_cache))
         drafter = (assistant if assistant_forward is None else assistant_forward, assistant_cache)
-    for c in caches:
-        c.reset()
-        c.start(S, dev)  # the same table as the last call's: a compiled step's graph replays
-        # every request within its slot's pages, before any forward
-        for i, p in enumerate(prompts):
-            if p.numel() + max_new_tokens + drafts > c.limit():
-                raise c.over_budget_error(p.numel(), max_new_tokens + drafts, who=f"request {i}")
-    for c, m in zip(caches, (model, assistant)[: len(caches)], strict=True):
-        if prefill_chunk is not None and n and c.uncalibrated():  # the first prompt, whole
-            c.calibrate(m, prompts[0].reshape(1, -1).to(dev))
-            c.start(S, dev)
+    _start(pairs, prompts, max_new_tokens + drafts, dev, calibrate=prefill_chunk is not None)
     decoding = _Decoding(forward, cache, drafts, max_new_tokens, eos, max_ngram, dev, drafter)
-    queue = list(range(n))[::-1]  # requests not started, next last
-    slot: list[int | None] = [None] * S  # the request in each slot
-    filled = [0] * S  # prompt tokens stored: running once the whole prompt is
-    out: list[list[int]] = [[] for _ in range(n)]
-    history: list[torch.Tensor | None] = [None] * S  # the slot's prompt (CPU)
+    requests = [_Request(i, p) for i, p in enumerate(prompts)]
     length = torch.zeros(S, dtype=torch.long)  # tokens in the cache per slot
+    slots = _Slots(decoding, pairs, prefill_chunk, requests[::-1], [None] * S, length)
     steps, accepted, emitted, times = 0, [], [], []
-    while queue or any(i is not None for i in slot):
-        emitted.append([0] * n)
+    while slots.queue or any(r is not None for r in slots.request):
+        emitted.append([0] * len(requests))
         for s in range(S):  # free slots take the next requests; a joining one its next chunk
-            while slot[s] is not None or queue:
-                if slot[s] is None:
-                    slot[s], filled[s] = queue.pop(), 0
-                i, L = slot[s], prompts[slot[s]].numel()
-                if filled[s] == L:
-                    break  # running
-                ids = prompts[i].reshape(1, -1)[:, filled[s] : filled[s] + (prefill_chunk or L)]
-                reserve = max_new_tokens + drafts
-                logits = _prompt(model, ids.to(dev), cache.request(s), reserve, start=filled[s])
-                if assistant is not None:
-                    _prompt(
-                        assistant, ids.to(dev), assistant_cache.request(s), reserve, start=filled[s]
-                    )
-                filled[s] += ids.shape[1]
-                length[s] = filled[s]  # (a joining slot's verify rows keep nothing)
-                if filled[s] < L:
-                    break  # the next chunk next round
-                out[i], emitted[-1][i] = [int(logits[0, -1].argmax())], 1
-                if max_new_tokens > 1 and out[i][0] not in eos:
-                    history[s] = prompts[i].reshape(-1).cpu()
-                    break
-                slot[s] = None  # done at its first token: the slot takes the next request
-        running = [
-            out[i] if i is not None and filled[s] == prompts[i].numel() else None
-            for s, i in enumerate(slot)
-        ]
-        if any(o is not None for o in running):
-            k, finished, mean = decoding.round(running, history, length)
+            slots.admit(s, emitted[-1])
+        mean = slots.step(emitted[-1])
+        if mean is not None:
             steps += 1
             accepted.append(mean)
-            for s, i in enumerate(slot):
-                if running[s] is not None:
-                    emitted[-1][i] += k[s]
-                    if finished[s]:
-                        slot[s] = None
         times.append(time.perf_counter())
-    return Output([torch.tensor(o) for o in out], steps, accepted, emitted, times)
+    return Output([torch.tensor(r.out) for r in requests], steps, accepted, emitted, times)
+
+
+def _start(pairs, prompts, reserve: int, dev, calibrate: bool) -> None:
+    """serve's caches (pairs: the model and its cache, then the assistant and its cache), before
+    any forward: emptied, each given the table of its max_batch_size slots (the same as the
+    last call's: a compiled step's graph replays), every request checked within its slot's
+    pages (prompt + reserve). calibrate (prompts joining in chunks): a cache whose scales come
+    from its first tokens calibrates them on the first prompt whole."""
+    for _, c in pairs:
+        c.reset()
+        c.start(c.max_batch_size, dev)
+        for i, p in enumerate(prompts):
+            if p.numel() + reserve > c.limit():
+                raise c.over_budget_error(p.numel(), reserve, who=f"request {i}")
+    for m, c in pairs:
+        if calibrate and len(prompts) and c.uncalibrated():  # the first prompt, whole
+            c.calibrate(m, prompts[0].reshape(1, -1).to(dev))
+            c.start(c.max_batch_size, dev)
+
+
+@dataclasses.dataclass
+class _Request:
+    """One request of serve: its place in `prompts`, its prompt (1-D ids), the prompt tokens
+    stored so far (it runs once all are), the tokens it emitted, and its prompt on the CPU
+    (prompt lookup's history) once it runs past its first token."""
+
+    index: int
+    prompt: torch.Tensor
+    filled: int = 0
+    out: list[int] = dataclasses.field(default_factory=list)
+    history: torch.Tensor | None = None
+
+    def running(self) -> bool:
+        """Its whole prompt is stored: it steps with the others."""
+        return self.filled == self.prompt.numel()
+
+
+@dataclasses.dataclass
+class _Slots:
+    """serve's scheduler over the cache's slots: the requests not started (`queue`, the next
+    last), the request in each slot (None: free) and the tokens each slot holds in the cache.
+    A request is admitted to a free slot, its prompt runs there (whole, or a chunk a round),
+    it steps with the others in the shared verify round, and retires when it finishes (its
+    slot free for the next one)."""
+
+    decoding: _Decoding
+    pairs: list  # the (model, cache) pairs a joining prompt runs through: the model's first
+    chunk: int | None  # prompt tokens a round (None: whole prompts)
+    queue: list[_Request]
+    request: list[_Request | None]
+    length: torch.Tensor  # CPU [slots]: tokens in the cache per slot
+
+    def admit(self, s: int, emitted: list[int]) -> None:
+        """Slot s this round: a free slot takes the next request; a joining request runs its
+        prompt (or next chunk) there. A request done at its first token retires at once, and
+        the slot takes the next one in the same round."""
+        while self.request[s] is not None or self.queue:
+            if self.request[s] is None:
+                self.request[s] = self.queue.pop()
+            r = self.request[s]
+            if r.running():
+                return
+            logits = self.prefill(s, r)
+            if not r.running():
+                return  # the next chunk next round
+            r.out, emitted[r.index] = [int(logits[0, -1].argmax())], 1
+            d = self.decoding
+            if d.max_new_tokens > 1 and r.out[0] not in d.eos:
+                r.history = r.prompt.reshape(-1).cpu()
+                return
+            self.retire(s)
+
+    def prefill(self, s: int, r: _Request) -> torch.Tensor:
+        """The next chunk of r's prompt (all of it without prefill_chunk) through slot s of
+        each cache: the model's last logits [1, 1, V]."""
+        L, d = r.prompt.numel(), self.decoding
+        ids = r.prompt.reshape(1, -1)[:, r.filled : r.filled + (self.chunk or L)].to(d.device)
+        reserve = d.max_new_tokens + d.drafts
+        logits = [_prompt(m, ids, c.request(s), reserve, start=r.filled) for m, c in self.pairs]
+        r.filled += ids.shape[1]
+        self.length[s] = r.filled  # (a joining slot's verify rows keep nothing)
+        return logits[0]
+
+    def step(self, emitted: list[int]) -> float | None:
+        """The verify round over every slot, if a request is running (a free or joining slot's
+        rows keep nothing); those that finish retire. Returns the mean accepted drafts over
+        the running requests, or None if none ran."""
+        running = [r if r is not None and r.running() else None for r in self.request]
+        if all(r is None for r in running):
+            return None
+        out = [None if r is None else r.out for r in running]
+        history = [None if r is None else r.history for r in running]
+        k, finished, mean = self.decoding.round(out, history, self.length)
+        for s, r in enumerate(running):
+            if r is not None:
+                emitted[r.index] += k[s]
+                if finished[s]:
+                    self.retire(s)
+        return mean
+
+    def retire(self, s: int) -> None:
+        """A finished request leaves slot s (its tokens stay in its out); the next request to
+        take the slot empties it (its prompt's first chunk resets cache.request(s))."""
+        self.request[s] = None
 
 
 @dataclasses.dataclass
@@ -272,6 +333,11 @@ class _Decoding:
                     o, g[b, : int(keep[b])], self.max_new_tokens, self.eos
                 )
         return emitted, finished, mean
+
+
+def _eos(eos_token_id) -> set:
+    """The ids that end a request (eos_token_id: None, an id or a list of ids)."""
+    return set() if eos_token_id is None else set(torch.tensor(eos_token_id).reshape(-1).tolist())
 
 
 def _vocab(model) -> int | None:
