@@ -160,10 +160,14 @@ class SM70AttnMetadataBuilder(AttentionMetadataBuilder[SM70AttnMetadata]):
             for B in sorted(
                 {min(vllm_config.scheduler_config.max_num_seqs, -(-n // rows)) for n in sizes}
             ):
-                q = torch.zeros(B, H_q, rows, D, dtype=torch.float16, device=device)
+                q = torch.zeros(B * rows, H_q, D, dtype=torch.float16, device=device)
+                qsl = torch.arange(0, B * rows + 1, rows, dtype=torch.int32, device=device)
                 table = torch.zeros(B, width, dtype=torch.int32, device=device)
                 lens = torch.zeros(B, dtype=torch.int32, device=device)
-                sa.paged_attention(q, kc, vc, table, lens, scale=1.0)
+                one = torch.ones(1, device=device)
+                # the uniform batch's own call (a full CUDA graph captures exactly this)
+                paging.attend_packed(q, kc, vc, table, qsl, lens, 1.0, one, one, rows=rows,
+                                     uniform=True, tokens=B * rows)  # fmt: skip
                 calls += 1
         torch.cuda.synchronize(device)
         log.info("torch_sm70attn: kernels of %d captured batch shapes loaded before capture", calls)
