@@ -746,7 +746,7 @@ def fit_prefill(prm, runs, sass) -> dict:
 
 
 def prefill_report(prm, sass, runs) -> tuple[list, list, list]:
-    """(H200 errors fitted on every run, errors of the cells over no past or 128K when fitted on
+    """(the errors fitted on every run (H200 or H100), errors of the cells over no past or 128K when fitted on
     the others (held out), the V100 rows of --json)."""
     fitted = fit_prefill(prm, runs, sass)
     errs = [e for e, *_ in prefill_errors(fitted, runs, sass)]
@@ -853,7 +853,7 @@ def main() -> int:
         pfit, perrs, pheld, prefill = prefill_report(prm, sass, pre_runs)
         print()
         print(
-            f"prefill (paged_attention_varlen): {len(perrs)} measured cells, |error| {summary(perrs)}"
+            f"prefill (paged_attention_varlen): {len(perrs)} cells measured on {', '.join(sorted({g for *_, g in pre_runs}))}, |error| {summary(perrs)}"
         )
         if pheld:
             print(
@@ -868,7 +868,7 @@ def main() -> int:
             print(f"  D{c['D']} G{c['G']} H_kv{c['H_kv']} chunk {c['chunk']:>5} past {c['past']:>6}: "
                   f"{lo['ms']:8.2f} .. {hi['ms']:8.2f} ms, {hi['tflops']:5.1f} .. {lo['tflops']:5.1f} TFLOP/s, {hi['limiter']}")  # fmt: skip
     else:
-        prefill, perrs, pheld = [], [], []
+        prefill, perrs, pheld, pre_runs = [], [], [], []
         print("prefill: no measured runs in docs/data (prefill_*.json): no V100 prefill figure")
     if a.json:
         cells = {tuple(c.values()): c for c, *_ in runs}.values()
@@ -882,8 +882,9 @@ def main() -> int:
                 )
                 for r in prefill
             ],  # fmt: skip
-            prefill_h200_errors=perrs,
+            prefill_errors=perrs,  # fitted on every measured cell, in load_prefill_runs' order
             prefill_held_out_errors=pheld,
+            prefill_measured_on=sorted({g for *_, g in pre_runs}),
             params=prm,
             dynamic=dyn,
             h200_errors=errs,
