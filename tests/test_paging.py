@@ -1,6 +1,9 @@
 """The paging core without a model: the slot table (allocation, a step's lengths and slots
-with padding and overflow, crop, beam reorder, one request's view, a compiled step) and the
-scales (checked, shaped, calibrated, saturation counted)."""
+with padding and overflow, crop, beam reorder, one request's view, a compiled step), the
+scales (checked, shaped, calibrated, saturation counted) and a cache's pager (a step's plan
+across layers, the host checks and refusals, crop counts, one request's pager)."""
+
+import warnings
 
 import pytest
 import torch
@@ -194,3 +197,113 @@ def test_saturation_is_counted_per_forward_and_said_once():
     sat.add(k, v, torch.full((1,), 1.1), one)  # at scale 1.1: 500 saturates, 449 does not
     sat.read()
     assert sat.saturated == [6, 0]
+
+
+# --- the pager ---------------------------------------------------------------------------------
+def test_pager_plans_a_step_once_for_its_layers():
+    cpu = torch.device("cpu")
+    pg = paging.Pager(16 * PS, PS, 2)  # 8 pages a request of a batch of 2
+    valid = torch.tensor([[False, True, True, True, True], [True] * 5])
+    pos = torch.tensor([[0, 0, 1, 2, 3], [0, 1, 2, 3, 4]])
+    plan, tokens = pg.step(0, 3, 2, 5, valid, pos, cpu, reserve=2)  # the first: checked
+    assert pg.slot_table.table.tolist() == [list(range(8)), list(range(8, 16))] and tokens == 9
+    assert (plan.pages, pg.slot_table.lens.tolist()) == (None, [4, 5]) and pg.plan is plan
+    assert pg.step(1, 3, 2, 5, valid, None, cpu)[0] is plan  # the eager step's other layers
+    assert pg.step(2, 3, 2, 5, valid, None, cpu) == (plan, None) and pg.plan is None
+    plan, tokens = pg.step(0, 1, 2, 1, None, None, cpu)  # a decode step: not checked
+    assert tokens is None and pg.slot_table.lens.tolist() == [5, 6]
+    plan, tokens = pg.step(0, 1, 2, 17, None, None, cpu)  # a prefill chunk: checked, its pages
+    assert (plan.pages, tokens, pg.slot_table.lens.tolist()) == (6, 34, [22, 23])
+    assert pg.length() == 23 and pg.limit() == 8 * PS
+
+
+def test_pager_refuses_before_anything_is_stored():
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="need page_size >= 1"):
+        paging.Pager(2, PS, 1)
+    pg = paging.Pager(4 * PS, PS, 2)
+    with pytest.raises(ValueError, match="batch 3 > max_batch_size 2"):
+        pg.step(0, 1, 3, 20, None, None, cpu)
+    with pytest.raises(RuntimeError, match=r"needs 10 tokens \+ reserve 1, each of the 2 requests "
+                       r"holds 8 .*max_tokens >= 24; nothing was stored"):  # fmt: skip
+        pg.step(0, 1, 2, 10, None, None, cpu, reserve=1)
+    assert pg.slot_table.lens.tolist() == [0, 0]
+    with pytest.raises(ValueError, match="only left padding"):
+        pg.step(0, 1, 2, 3, torch.tensor([[True, False, True]] * 2), None, cpu)
+    pg.step(0, 1, 2, 3, None, None, cpu)
+    with pytest.raises(ValueError, match="holds 2 requests, the forward has 1: call cache.reset"):
+        pg.step(0, 1, 1, 3, None, None, cpu)
+    with pytest.raises(ValueError, match="the cache holds requests: reset"):
+        pg.start(2, "cpu")
+    pg.reset()
+    assert not pg.start(2, "cpu") and pg.start(1, "cpu") and pg.slot_table.batch == 1
+
+
+def test_pager_raises_a_flag_once_then_refuses_until_reset():
+    cpu = torch.device("cpu")
+    pg = paging.Pager(2 * PS, PS, 1)
+    pg.step(0, 1, 1, 6, None, None, cpu)
+    pg.step(0, 1, 1, 4, None, None, cpu)  # 10 > 8: flagged on the device, unchecked
+    with pytest.raises(RuntimeError, match=r"request\(s\) \[0\] went past their 8 tokens"):
+        pg.poll()
+    assert not pg.slot_table.full.any()  # cleared: raised once
+    with pytest.raises(RuntimeError, match="went past its pages in an earlier forward"):
+        pg.poll()
+    pg.reset()
+    pg.poll()
+    pg.step(0, 1, 1, 2, None, torch.tensor([[0, 1]]), cpu)
+    pg.step(0, 1, 1, 1, None, torch.tensor([[5]]), cpu)  # not at its length 2
+    with pytest.raises(RuntimeError, match=r"did not start at the length of request\(s\) \[0\]"):
+        pg.check()
+    pg.reset()
+    pg.step(0, 1, 1, 6, None, None, cpu)
+    pg.step(0, 1, 1, 4, None, None, cpu)
+    with pytest.warns(UserWarning, match=r"\[0\] had gone past their 8 tokens"):
+        pg.reset()
+
+
+def test_pager_crop_counts_are_checked():
+    pg = paging.Pager(4 * PS, PS, 2)
+    pg.crop(0)  # no batch yet: nothing to do
+    with pytest.raises(ValueError, match="holds no batch yet"):
+        pg.crop(torch.tensor([0, 0]))
+    pg.step(0, 1, 2, 5, None, None, "cpu")
+    with pytest.raises(ValueError, match=r"\(3,\) counts for 2 requests"):
+        pg.crop(torch.tensor([0, 0, 0]))
+    with pytest.raises(ValueError, match=r"\(<= 0\)"):
+        pg.crop(torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="transformers 5"):
+        pg.crop(1)
+    pg.crop(torch.tensor([-1, -3]))
+    pg.crop(-1)
+    assert pg.slot_table.lens.tolist() == [3, 1]
+
+
+def test_a_requests_pager_checks_its_steps_and_shares_the_refusal():
+    cpu = torch.device("cpu")
+    pg = paging.Pager(6 * PS, PS, 3)  # 8 tokens a request
+    with pytest.raises(ValueError, match="holds no batch yet"):
+        pg.request(0)
+    pg.start(3, "cpu")
+    with pytest.raises(IndexError, match="request 3 of a batch of 3"):
+        pg.request(3)
+    view = pg.request(1)
+    assert view.max_batch == 1 and view.root is pg and view.limit() == 8
+    with pytest.raises(ValueError, match=r"request\(1\): a view takes one request on cpu, the "
+                       "forward has 2"):  # fmt: skip
+        view.step(0, 1, 2, 1, None, None, cpu)
+    plan, tokens = view.step(0, 1, 1, 1, None, None, cpu)  # one row, checked all the same
+    assert tokens == 1 and plan.slots.tolist() == [2 * PS]
+    assert pg.slot_table.lens.tolist() == [0, 1, 0]
+    with pytest.raises(RuntimeError, match=r"request needs 9 tokens, each of the 3 requests"):
+        view.step(0, 1, 1, 8, None, None, cpu)
+    pg.slot_table.full[1] = True
+    with pytest.raises(RuntimeError, match=r"request\(s\) \[1\] went past"):
+        pg.request(1).check()
+    with pytest.raises(RuntimeError, match="an earlier error said so"):
+        pg.poll()  # the batch's refusal too
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pg.request(1).reset()  # releasing the request lifts it
+    pg.poll()
+    assert pg.slot_table.lens.tolist() == [0, 0, 0]

@@ -23,11 +23,16 @@ same stored numbers, never the unrounded float16 K/V.
   and one request's view, each in place and without a host read (a CUDA graph replays them).
 - Scales: `per_layer_scales` (checked on the host once), `device_scale`, `calibrated_scale`
   (amax / 448 per KV head) and `Saturation` (values stored beyond 448 x scale, counted).
+- `Pager`: a cache's host side over its SlotTable (the transformers adapter's): a step's plan,
+  made at layer 0 and reused by the others, the host checks before a prompt stores (its budget,
+  left padding), the flags raised once and the refusal until reset, crop counts, and one
+  request's pager (a batch of one over its row).
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -389,3 +394,267 @@ class Saturation:
     def fractions(self) -> list[float]:
         """The fraction of the K and of the V values counted that saturated."""
         return [n / max(self.counted, 1) for n in self.saturated]
+
+
+
+# --- a cache's batch on the host ---------------------------------------------------------------
+class Pager:
+    """The host side of a paged cache (the transformers adapter's PagedE4M3Cache, whose name its
+    errors carry): `num_pages` pages of `page_size` tokens for a batch of at most `max_batch`
+    requests, the batch's `SlotTable` (`slot_table`, made by a first step or `start`), the plan
+    of the eager step under way (`plan`) and what the host checks: a prompt's budget before it
+    stores, the flags (raised once; every step is then refused until `reset`), crop counts, a
+    new batch on a used cache. `request(b)` is request b's: a batch of one over views of its
+    row, which shares this one's refusal and whose every step is checked."""
+
+    def __init__(self, max_tokens: int, page_size: int, max_batch: int, reserve: int = 0):
+        if page_size < 1 or max_tokens < page_size or max_batch < 1 or reserve < 0:
+            raise ValueError(
+                "PagedE4M3Cache: need page_size >= 1, max_tokens >= page_size, a batch >= 1 "
+                "and reserve >= 0"
+            )
+        self.page_size, self.max_batch = page_size, max_batch
+        self.num_pages = -(-max_tokens // page_size)
+        self.slot_table: SlotTable | None = None
+        # made at a step's layer 0, read by its other layers (an eager step's: a compiled step
+        # makes it in each layer, keeping no tensor on self while tracing)
+        self.plan: StepPlan | None = None
+        self.empty = True  # no step since reset: the next is checked on the host
+        self.stale = None  # why every step is refused until reset (an error said so); root's
+        self.root = self  # the pager a request(b) view is of (its batch, its refusal)
+
+    def limit(self) -> int:
+        """Tokens each request may hold (SlotTable.limit); 0 before the first step."""
+        return 0 if self.slot_table is None else self.slot_table.limit
+
+    # -- a step ------------------------------------------------------------------------------
+    def step(self, layer: int, layers: int, batch: int, rows: int, valid, position_ids, device,
+             reserve: int = 0) -> tuple[StepPlan, int | None]:  # fmt: skip
+        """The plan of layer `layer` (of `layers`) of a step of `rows` new tokens for each of
+        `batch` requests (valid: bool [B, rows], False for padding, or None; position_ids
+        [B or 1, rows], the model's, or None: a request whose first is not its length is
+        flagged astray). Layer 0 makes a new batch's table, checks an eager
+        prompt on the host (`reserve`: tokens each request adds after it) and advances the
+        lengths; an eager step's other layers reuse its plan. Returns (plan, the real tokens of
+        a step the host checked, else None)."""
+        compiling = torch.compiler.is_compiling()
+        tokens = None
+        if layer == 0:
+            plan, tokens = self._begin(batch, rows, valid, position_ids, device, reserve)
+        elif compiling or self.plan is None:
+            plan = self.slot_table.plan(rows, valid)
+        else:
+            plan = self.plan
+        if not compiling:
+            self.plan = plan if layer < layers - 1 else None
+        return plan, tokens
+
+    def _begin(self, B: int, Q: int, valid, position_ids, device, reserve: int):
+        """Layer 0: the batch's table (at its first step), the host checks of an eager prompt
+        (a prefill chunk, a view's step), each request's length advanced by its real tokens."""
+        st = self.slot_table
+        if st is None or st.batch != B or st.device != device:
+            st = self.allocate(B, device)
+        pages, tokens = None, None
+        if not torch.compiler.is_compiling():
+            if Q > MAX_ROWS or self.empty or self.root is not self:  # one device read
+                pages, tokens = self.prompt(Q, valid, reserve)
+                pages = pages if Q > MAX_ROWS else None
+            self.empty = False
+        starts = None
+        if position_ids is not None:
+            starts = position_ids.reshape(-1, position_ids.shape[-1])[:, 0]
+        st.advance(Q, valid, starts)
+        return st.plan(Q, valid, pages), tokens
+
+    def allocate(self, B: int, device) -> SlotTable:
+        """The table of a batch of B: request b owns pages b * W .. (b + 1) * W - 1."""
+        if self.root is not self:
+            raise ValueError(
+                f"PagedE4M3Cache.request({self.slot_table.first}): a view takes one request on "
+                f"{self.slot_table.device}, the forward has {B} on {device}"
+            )
+        if B > self.max_batch:
+            raise ValueError(f"PagedE4M3Cache: batch {B} > max_batch_size {self.max_batch}")
+        # a compiled first step cannot check (a data-dependent branch): reset() first
+        st = self.slot_table
+        if st is not None and not torch.compiler.is_compiling() and self.length():
+            raise ValueError(
+                f"PagedE4M3Cache holds {st.batch} requests, the forward has {B}: "
+                "call cache.reset() before a new batch"
+            )
+        W = SlotTable.width(self.num_pages, B, self.page_size)
+        if W < 1:
+            raise ValueError(
+                f"PagedE4M3Cache: {self.num_pages} pages for a batch of {B}: raise max_tokens"
+            )
+        self.slot_table, self.plan = SlotTable(B, W, self.page_size, device), None
+        return self.slot_table
+
+    def start(self, batch: int, device) -> bool:
+        """The table of `batch` empty requests on `device` before any step; one of the same
+        batch and device is kept (it must be empty). Returns whether a table was made."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        st = self.slot_table
+        if st is not None and st.batch == batch and st.device == device:
+            if self.length():
+                raise ValueError("PagedE4M3Cache.start: the cache holds requests: reset() first")
+            return False
+        self.allocate(batch, device)
+        return True
+
+    def prompt(self, Q: int, valid, reserve: int) -> tuple[int, int]:
+        """An eager step checked on the host: one device read, then refuse what would not fit
+        (`reserve` more tokens after a prompt on empty requests) or is not left padding, before
+        anything is stored. Returns (pages in use after the step, the real tokens of the step)."""
+        self.check()
+        lens = self.slot_table.lens.tolist()
+        if valid is None:
+            n = [Q] * len(lens)
+        else:
+            if bool((valid[:, 1:] < valid[:, :-1]).any()):
+                raise ValueError(
+                    "sm70attn attention: the attention_mask has a zero after a one: only left "
+                    "padding (padding_side='left') is supported. generate() derives a mask from "
+                    "pad_token_id when none is given, so a prompt containing that token needs "
+                    "attention_mask=torch.ones_like(ids)"
+                )
+            n = valid.sum(1).tolist()
+        need = [a + b for a, b in zip(lens, n, strict=True)]
+        reserve = reserve if not any(lens) else 0
+        if max(need) + reserve > self.limit():
+            raise self.over_budget_error(max(need), reserve)
+        return -(-max(need) // self.page_size), sum(n)
+
+    def over_budget_error(
+        self, need: int, reserve: int = 0, who: str = "a request"
+    ) -> RuntimeError:
+        """The error for a request of `need` tokens plus `reserve` that its pages (limit())
+        cannot hold, with the max_tokens that would (or the kernels' contract)."""
+        cap, ps, want = self.limit(), self.page_size, need + reserve
+        B = self.root.slot_table.batch  # (a view: its batch's)
+        fix = (
+            f"the kernels serve at most {contract()} tokens a request"
+            if want > contract()
+            else f"use max_tokens >= {B * ps * -(-want // ps)}"
+        )
+        return RuntimeError(
+            f"PagedE4M3Cache is full: {who} needs {need} tokens"
+            + (f" + reserve {reserve}" if reserve else "")
+            + f", each of the {B} requests holds {cap} (max_tokens / batch): {fix}; "
+            "nothing was stored"
+        )
+
+    # -- lengths and flags -------------------------------------------------------------------
+    def length(self) -> int:
+        """Tokens held by the longest request (a device read, after `check`); 0 before the
+        first step."""
+        if self.slot_table is None:
+            return 0
+        self.check()
+        return int(self.slot_table.lens.max())
+
+    def check(self) -> None:
+        """Raise if a step went past a request's pages or did not start at its length (reads
+        the device)."""
+        if self.slot_table is not None and not torch.compiler.is_compiling():
+            self.raise_flags(*self.slot_table.flags())
+
+    def poll(self) -> None:
+        """Before a step, without waiting for the GPU: refuse it if the cache is stale, raise
+        the flags of the copy `SlotTable.poll` started at the previous call."""
+        if self.root.stale:
+            raise RuntimeError(
+                f"PagedE4M3Cache: {self.root.stale} (an earlier error said so), and the cache "
+                "still holds it: call cache.reset() before the next prompt"
+            )
+        if self.slot_table is not None:
+            self.raise_flags(*self.slot_table.poll())
+
+    def raise_flags(self, full: list[bool], astray: list[bool]) -> None:
+        """Raise for the requests flagged (full: past their pages; astray: a step that did not
+        start at their length), once: the flags are cleared and the cache is stale."""
+        if any(full):
+            cap, B = self.limit(), self.root.slot_table.batch
+            which = self._stale_now("a request went past its pages in an earlier forward", full)
+            raise RuntimeError(
+                f"PagedE4M3Cache is full: request(s) {which} went past their {cap} tokens "
+                f"(max_tokens={self.num_pages * self.page_size} / batch of {B}); the tokens "
+                f"past it were not stored. Use max_tokens >= {B} x (prompt + max_new_tokens + "
+                "drafts), rounded up to pages (or reserve=), and cache.reset()"
+            )
+        if any(astray):
+            stale = "a forward's tokens did not start at their requests' lengths"
+            which = self._stale_now(stale, astray)
+            raise RuntimeError(
+                f"PagedE4M3Cache: a forward's tokens did not start at the length of request(s) "
+                f"{which}: they do not continue what the cache holds, and were stored after it "
+                "(a new prompt on a used cache: generate() feeds the prompt's tokens past the "
+                "cache's length, or its last one). A cache that holds tokens continues them, as "
+                "transformers' caches do (pass the whole sequence so far); for a new prompt call "
+                "cache.reset() first"
+            )
+
+    def _stale_now(self, why: str, flagged: list[bool]) -> list[int]:
+        """A flag read: the cache is unusable until reset() (`why`), the flags are cleared.
+        Returns the flagged requests' indices in the batch."""
+        self.root.stale = why
+        st = self.slot_table
+        st.clear_flags()
+        return [st.first + b for b, f in enumerate(flagged) if f]
+
+    def reset(self, stacklevel: int = 2) -> None:
+        """Every request empty, the refusal lifted; warns (stacklevel: warnings.warn's, from
+        here) if a request went past its pages since the last check (its last tokens were not
+        stored)."""
+        self.plan, self.empty, self.root.stale = None, True, None
+        st = self.slot_table
+        if st is not None:
+            full = st.full.tolist()
+            if any(full):
+                warnings.warn(
+                    f"PagedE4M3Cache.reset: request(s) "
+                    f"{[st.first + b for b, f in enumerate(full) if f]} "
+                    f"had gone past their {self.limit()} tokens: the tokens past it were not "
+                    "stored and the outputs after that point are wrong; raise max_tokens",
+                    stacklevel=stacklevel,
+                )
+            st.reset()
+
+    def crop(self, tokens_to_remove) -> None:
+        """Remove the last tokens of each request: minus the count for every request (an int
+        <= 0, transformers' convention), or an integer tensor [B] of minus the count each."""
+        st = self.slot_table
+        if torch.is_tensor(tokens_to_remove):
+            if st is None:
+                raise ValueError("PagedE4M3Cache.crop: the cache holds no batch yet")
+            n = tokens_to_remove.to(device=st.device, dtype=torch.int32)
+            if n.shape != st.lens.shape:
+                raise ValueError(
+                    f"PagedE4M3Cache.crop: {tuple(n.shape)} counts for {st.batch} requests"
+                )
+            if not torch.compiler.is_compiling() and bool((n > 0).any()):
+                raise ValueError("crop takes minus the number of tokens to remove (<= 0)")
+            st.crop(-n)
+            return
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes minus the number of tokens to remove (transformers 5)")
+        if tokens_to_remove and st is not None:
+            st.crop(-tokens_to_remove)
+
+    def request(self, b: int) -> Pager:
+        """Request b's pager: a batch of one over views of its row, length and flags, its every
+        step checked on the host, this pager's refusal its own."""
+        if self.slot_table is None:
+            raise ValueError(
+                "PagedE4M3Cache.request: the cache holds no batch yet: run the batch's first "
+                "forward, or start(batch, device)"
+            )
+        B = self.slot_table.batch
+        if not 0 <= b < B:
+            raise IndexError(f"PagedE4M3Cache.request: request {b} of a batch of {B}")
+        view = Pager(self.num_pages * self.page_size, self.page_size, 1)
+        view.slot_table, view.root, view.empty = self.slot_table.request(b), self.root, self.empty
+        return view

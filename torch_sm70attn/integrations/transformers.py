@@ -29,8 +29,6 @@ A forward keeps its state on the device, so `generate(..., compile_config=...)` 
 
 from __future__ import annotations
 
-import copy
-import math
 import re
 import warnings
 from pathlib import Path
@@ -43,7 +41,6 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import torch_sm70attn as sa
 from torch_sm70attn import paging
-from torch_sm70attn.manifest import contract
 from torch_sm70attn.paging import SlotTable, StepPlan, static_address
 
 NAME = "sm70attn"  # no "flash" in it: transformers would look for a flash-attention package
@@ -168,6 +165,14 @@ class _Layer(CacheLayerMixin):
             self.k_scale.copy_(k)
             self.v_scale.copy_(v)
 
+    def write(self, key_states, value_states, slots) -> None:
+        """Store the new tokens ([B, H_kv, Q, D]) at `slots` ([B * Q], -1: none) at the
+        layer's scales."""
+        B, H, Q, D = key_states.shape
+        k = key_states.transpose(1, 2).reshape(B * Q, H, D).half()
+        v = value_states.transpose(1, 2).reshape(B * Q, H, D).half()
+        sa.store_kv(k, v, self.keys, self.values, slots, k_scale=self.k_scale, v_scale=self.v_scale)
+
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError("PagedE4M3Cache.update writes the layers")
 
@@ -182,6 +187,119 @@ class _Layer(CacheLayerMixin):
 
     def reset(self):  # the pools and scales stay; the cache resets the lengths
         pass
+
+
+class _Scales:
+    """A cache's scales as its layers store with them, and what they saturate: the user's
+    (`_Layer.given`), else calibrated from the first tokens a layer stores (HEADROOM), or from
+    every forward while calibrate() runs (`calibrating`: its headroom); the saturated values of
+    the prompt forwards (`saturation`, a paging.Saturation), warned about once. One object for a
+    cache and its request(b) views."""
+
+    def __init__(self):
+        self.calibrating: float | None = None  # headroom while calibrate() runs
+        self.saturation = paging.Saturation()
+
+    def store_with(self, layer: _Layer, key_states, value_states, valid) -> None:
+        """Set the layer's scales where they are still to be set (or calibrate() runs)."""
+        if self.calibrating is None and layer.k_scale is not None:
+            return
+        H, dev = key_states.shape[1], key_states.device
+        head = HEADROOM if self.calibrating is None else self.calibrating
+        k, v = (
+            paging.device_scale(given, H, dev)
+            if given is not None and self.calibrating is None
+            else paging.calibrated_scale(x, valid, head)
+            for given, x in zip(layer.given, (key_states, value_states), strict=True)
+        )
+        layer.set_scales(k, v)
+
+    def count(self, layer_idx, last: bool, key_states, value_states, valid, layer, tokens):
+        """Saturated values of a prompt forward, counted on the device (one read at the last
+        layer); a warning once per cache with the fraction. Not while compiling or calibrating."""
+        if torch.compiler.is_compiling() or self.calibrating is not None:
+            return
+        sat = self.saturation
+        if layer_idx == 0:
+            sat.start(tokens)
+        sat.add(key_states, value_states, layer.k_scale, layer.v_scale, valid)
+        if last and sat.read():
+            frac = [f"{x:.3%}" for x in sat.fractions()]
+            warnings.warn(
+                f"PagedE4M3Cache: {frac[0]} of the K and {frac[1]} of the V values stored "
+                "so far saturated at 448 x scale (larger than the scales allow). Calibrate "
+                "on representative text (cache.calibrate(model, ids)) or give larger scales",
+                stacklevel=4,
+            )
+
+    def calibrate(self, cache, model, input_ids, attention_mask, headroom: float) -> None:
+        """PagedE4M3Cache.calibrate: one forward of the sample through `cache` (emptied before
+        and after, no reserve), every layer's scales calibrated from it with `headroom`."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        pos = positions(attention_mask)
+        cache.reset()
+        self.calibrating, reserve, cache.reserve = headroom, cache.reserve, 0
+        try:
+            model(
+                input_ids, attention_mask=attention_mask, position_ids=pos, cache=cache,
+                logits_to_keep=1,
+            )  # fmt: skip
+        finally:
+            self.calibrating, cache.reserve = None, reserve
+            cache.reset()
+
+    @staticmethod
+    def of(layers) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Each layer's (k_scale, v_scale) as float32 copies; None where not calibrated yet."""
+        return tuple(
+            [
+                None if x is None else x.detach().clone()
+                for x in (getattr(l, w) for l in layers)
+            ]
+            for w in ("k_scale", "v_scale")
+        )
+
+
+def _unread_error(config) -> RuntimeError:
+    """update() handed the cache to a layer whose attention never read it: the model's
+    attention is not this backend's (its config says why)."""
+    impl = getattr(config, "_attn_implementation", None)
+    why = (
+        f"its attn_implementation is {impl!r}, not {NAME!r}"
+        if impl != NAME
+        else f"the config this cache was built from says {NAME!r}, so this cache "
+        "was built from another model's config, or this model's attention was "
+        "changed since: build the cache from the config of the model that runs it, "
+        "PagedE4M3Cache(model.config, ...)"
+    )
+    return RuntimeError(
+        f"PagedE4M3Cache: the model's attention did not read the cache ({why}). "
+        f"Call torch_sm70attn.integrations.transformers.register() and load the "
+        f"model with attn_implementation={NAME!r}, or model.set_attn_implementation("
+        f"{NAME!r}). Two models built from one config object share it: "
+        "from_config(cfg, attn_implementation=...) writes into cfg, so give each "
+        "model its own copy.deepcopy(cfg). Then cache.reset()"
+    )
+
+
+def _attention_kwargs(kwargs) -> dict:
+    """The attention kwargs the model passed to cache.update(..., kwargs=...)."""
+    attn_kwargs = kwargs.get("kwargs")
+    if not isinstance(attn_kwargs, dict):
+        raise TypeError(
+            "PagedE4M3Cache: the model did not pass its attention kwargs to cache.update("
+            "..., kwargs=...), so the sm70attn attention cannot find the paged cache"
+        )
+    return attn_kwargs
+
+
+def _new_columns(valid, B: int, Q: int):
+    """The padding mask the attention got as bool [B, Q] over the new tokens: a 2-D mask's last
+    Q columns; None for none or another shape."""
+    if valid is not None and (valid.dim() != 2 or valid.shape != (B, Q)):
+        valid = None if valid.dim() != 2 else valid[:, -Q:]
+    return None if valid is None else valid.bool()
 
 
 class PagedE4M3Cache(Cache):
@@ -206,17 +324,18 @@ class PagedE4M3Cache(Cache):
     the prompt and prefill forwards (more than 16 rows, eager) count them (`saturated`) and
     warn once with the fraction.
 
-    State on the device: the block table (fixed once the batch is known), the lengths [B]
-    int32 and per-request flags (`slot_table`, a paging.SlotTable; read through `table`, `lens`
-    and `full`); each layer's pools and scales (`layers`); the saturation counts (`saturation`,
-    a paging.Saturation). A decode or verify forward reads nothing from the host, so a
-    compiled step has no graph break and replays as a CUDA graph. A step past a request's
-    pages (eager or compiled) stores nothing out of bounds: the flag records it, and the next
-    host check raises (`check()`, `get_seq_length()`, the next eager forward, or generate()'s
-    mask call before each step, a step or two late since it does not wait for the GPU);
-    `reset()` warns about a flag nobody read. The first forward after a reset, and any eager
-    forward of more than 16 rows, is checked on the host before it stores (the padding on the
-    left; every request within its pages and the reserve).
+    State on the device: the block table (fixed once the batch is known), the lengths [B] int32
+    and per-request flags (`slot_table`, a paging.SlotTable; read through `table`, `lens` and
+    `full`); each layer's pools and scales (`layers`); the saturation counts (`saturation`, a
+    paging.Saturation). The host's side of the table, its step plan and checks are `pager`'s (a
+    paging.Pager); the scales' source and the counts, `quant`'s. A decode or verify forward
+    reads nothing from the host, so a compiled step has no graph break and replays as a CUDA
+    graph. A step past a request's pages (eager or compiled) stores nothing out of bounds: the
+    flag records it, and the next host check raises (`check()`, `get_seq_length()`, the next
+    eager forward, or generate()'s mask call before each step, a step or two late since it does
+    not wait for the GPU); `reset()` warns about a flag nobody read. The first forward after a
+    reset, and any eager forward of more than 16 rows, is checked on the host before it stores
+    (the padding on the left; every request within its pages and the reserve).
 
     Reuse: a cache that holds tokens continues them, as transformers' caches do (to continue,
     pass the whole sequence so far); for a new prompt call reset() first. A forward whose
@@ -225,46 +344,35 @@ class PagedE4M3Cache(Cache):
     next host check, as an overflow is; after either, every forward raises until reset().
     """
 
-    def __init__(
-        self,
-        config,
-        max_tokens: int = 4096,
-        max_batch_size: int = 1,
-        page_size: int = 16,
-        k_scale=None,
-        v_scale=None,
-        reserve: int = 0,
-    ):
+    def __init__(self, config, max_tokens: int = 4096, max_batch_size: int = 1,
+                 page_size: int = 16, k_scale=None, v_scale=None, reserve: int = 0):  # fmt: skip
         cfg = text_config(config)
-        if page_size < 1 or max_tokens < page_size or max_batch_size < 1 or reserve < 0:
-            raise ValueError(
-                "PagedE4M3Cache: need page_size >= 1, max_tokens >= page_size, a batch >= 1 "
-                "and reserve >= 0"
-            )
-        self.page_size, self._max_batch, self.reserve = page_size, max_batch_size, reserve
-        self.num_pages = math.ceil(max_tokens / page_size)
+        self.pager = paging.Pager(max_tokens, page_size, max_batch_size, reserve)
+        self.page_size, self.num_pages, self.reserve = page_size, self.pager.num_pages, reserve
         n = cfg.num_hidden_layers
         ks = paging.per_layer_scales(k_scale, n, "PagedE4M3Cache: k_scale")
         vs = paging.per_layer_scales(v_scale, n, "PagedE4M3Cache: v_scale")
         super().__init__(layers=[_Layer(self, ks[i], vs[i]) for i in range(n)])
         self._config = cfg  # for the attention implementation in error messages
-        # the batch's table, lengths and flags on the device: made by its first forward or start()
-        self.slot_table: SlotTable | None = None
-        # the plan of the eager forward under way: made at its layer 0, read by its other layers
-        # (a compiled forward makes it in each layer: no tensor is kept on self while tracing)
-        self.plan: StepPlan | None = None
-        self.saturation = paging.Saturation()  # of prompt forwards (request(b) views' too)
-        self._root = self  # request(b) views: the cache they view (its batch, its stale state)
-        self._empty = True  # no forward since reset
+        self.quant = _Scales()  # the scales' source, and the saturation counts
+        self.saturation = self.quant.saturation  # of prompt forwards (request(b) views' too)
         self._unread = None  # the layer update() handed the cache to, until its attention reads it
-        self._calibrate = None  # headroom while calibrate() runs
-        self._stale = None  # why the cache must be reset first (an error raised once said so)
 
     # -- what it holds -----------------------------------------------------------------------------
     @property
     def max_batch_size(self) -> int:
         """The largest batch (1 for a request(b) view)."""
-        return self._max_batch
+        return self.pager.max_batch
+
+    @property
+    def slot_table(self) -> SlotTable | None:
+        """The batch's paging.SlotTable (the pager's); None before the first forward or start()."""
+        return self.pager.slot_table
+
+    @property
+    def plan(self) -> StepPlan | None:
+        """The plan of the eager forward under way (made at its layer 0; None between forwards)."""
+        return self.pager.plan
 
     @property
     def table(self) -> torch.Tensor | None:
@@ -301,30 +409,15 @@ class PagedE4M3Cache(Cache):
     def reset(self):
         """Empty every request (the pools, scales, table and their addresses stay). Warns if a
         request went past its pages since the last check (its last tokens were not stored)."""
-        self._unread, self.plan, self._empty = None, None, True
-        self._root._stale = None
-        st = self.slot_table
-        if st is not None:
-            full = st.full.tolist()
-            if any(full):
-                warnings.warn(
-                    f"PagedE4M3Cache.reset: request(s) "
-                    f"{[st.first + b for b, f in enumerate(full) if f]} "
-                    f"had gone past their {self.limit()} tokens: the tokens past it were not "
-                    "stored and the outputs after that point are wrong; raise max_tokens",
-                    stacklevel=2,
-                )
-            st.reset()
+        self._unread = None
+        self.pager.reset(stacklevel=3)
 
     def get_seq_length(self, layer_idx: int = 0):
         """Tokens held by the longest request: an int (a device read); a 0-d tensor while
         torch.compile traces."""
-        if self.slot_table is None:
-            return 0
-        if torch.compiler.is_compiling():
+        if self.slot_table is not None and torch.compiler.is_compiling():
             return self.slot_table.lens.max()
-        self.check()
-        return int(self.slot_table.lens.max())
+        return self.pager.length()
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0  # unused by the sm70attn mask; no device read per step
@@ -337,9 +430,7 @@ class PagedE4M3Cache(Cache):
         mask_function). transformers calls this on the host before every forward (generate()'s
         compiled steps too), so the overflow flag is polled here."""
         if not torch.compiler.is_compiling():
-            self._refuse_stale()
-            if self.slot_table is not None:
-                self._raise_flags(*self.slot_table.poll())
+            self.pager.poll()
         return query_length, 0
 
     @property
@@ -353,73 +444,24 @@ class PagedE4M3Cache(Cache):
     def limit(self) -> int:
         """Tokens each request of the current batch may hold: its pages, within the kernels'
         contract (a table may address part of a page more); 0 before the first forward."""
-        return 0 if self.slot_table is None else self.slot_table.limit
+        return self.pager.limit()
 
     def check(self) -> None:
         """Raise if a step went past a request's pages (reads the device)."""
-        if self.slot_table is not None and not torch.compiler.is_compiling():
-            self._raise_flags(*self.slot_table.flags())
+        self.pager.check()
 
-    def _refuse_stale(self) -> None:
-        """A forward on a cache that an earlier error left unusable (a request past its pages,
-        tokens stored at another request's positions): reset() first."""
-        if self._root._stale:
-            raise RuntimeError(
-                f"PagedE4M3Cache: {self._root._stale} (an earlier error said so), and the cache "
-                "still holds it: call cache.reset() before the next prompt"
-            )
-
-    def _raise_flags(self, full: list[bool], astray: list[bool]) -> None:
-        if any(full):
-            cap, B = self.limit(), self._root.slot_table.batch
-            which = self._stale_now("a request went past its pages in an earlier forward", full)
-            raise RuntimeError(
-                f"PagedE4M3Cache is full: request(s) {which} went past their {cap} tokens "
-                f"(max_tokens={self.num_pages * self.page_size} / batch of {B}); the tokens "
-                f"past it were not stored. Use max_tokens >= {B} x (prompt + max_new_tokens + "
-                "drafts), rounded up to pages (or reserve=), and cache.reset()"
-            )
-        if any(astray):
-            stale = "a forward's tokens did not start at their requests' lengths"
-            which = self._stale_now(stale, astray)
-            raise RuntimeError(
-                f"PagedE4M3Cache: a forward's tokens did not start at the length of request(s) "
-                f"{which}: they do not continue what the cache holds, and were stored after it "
-                "(a new prompt on a used cache: generate() feeds the prompt's tokens past the "
-                "cache's length, or its last one). A cache that holds tokens continues them, as "
-                "transformers' caches do (pass the whole sequence so far); for a new prompt call "
-                "cache.reset() first"
-            )
-
-    def _stale_now(self, why: str, flagged: list[bool]) -> list[int]:
-        """A flag read: the cache is unusable until reset() (`why`), the flags are cleared
-        (raised once). Returns the flagged requests' indices in the batch."""
-        self._root._stale = why
-        st = self.slot_table
-        st.clear_flags()
-        return [st.first + b for b, f in enumerate(flagged) if f]
+    def over_budget_error(
+        self, need: int, reserve: int = 0, who: str = "a request"
+    ) -> RuntimeError:
+        """The error for a request of `need` tokens plus `reserve` that its pages (limit())
+        cannot hold, with the max_tokens that would (or the kernels' contract)."""
+        return self.pager.over_budget_error(need, reserve, who)
 
     def crop(self, tokens_to_remove) -> None:
         """Remove the last tokens of each request (rejected drafts); the next tokens are
         written over them. tokens_to_remove: minus the count for every request (an int <= 0,
         transformers' convention), or an integer tensor [B] of minus the count per request."""
-        st = self.slot_table
-        if torch.is_tensor(tokens_to_remove):
-            if st is None:
-                raise ValueError("PagedE4M3Cache.crop: the cache holds no batch yet")
-            n = tokens_to_remove.to(device=st.device, dtype=torch.int32)
-            if n.shape != st.lens.shape:
-                raise ValueError(
-                    f"PagedE4M3Cache.crop: {tuple(n.shape)} counts for {st.batch} requests"
-                )
-            if not torch.compiler.is_compiling() and bool((n > 0).any()):
-                raise ValueError("crop takes minus the number of tokens to remove (<= 0)")
-            st.crop(-n)
-            return
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes minus the number of tokens to remove (transformers 5)")
-        if tokens_to_remove and st is not None:
-            st.crop(-tokens_to_remove)
+        self.pager.crop(tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: request i continues beam beam_idx[i]; its pages get a copy of that
@@ -437,18 +479,7 @@ class PagedE4M3Cache(Cache):
         a running batch in a free slot b: its prompt's forward, eager, with
         `cache=cache.request(b)` after `release(b)`; the other requests are not touched, and the
         batch's steps run on this cache as before (speculative.serve does this)."""
-        if self.slot_table is None:
-            raise ValueError(
-                "PagedE4M3Cache.request: the cache holds no batch yet: run the batch's first "
-                "forward, or start(batch, device)"
-            )
-        B = self.slot_table.batch
-        if not 0 <= b < B:
-            raise IndexError(f"PagedE4M3Cache.request: request {b} of a batch of {B}")
-        view = copy.copy(self)
-        view.slot_table, view._max_batch = self.slot_table.request(b), 1
-        view._unread, view.plan = None, None  # (its forwards are all checked)
-        return view
+        return _Request(self, self.pager.request(b))
 
     def release(self, b: int) -> None:
         """Empty request b (its length and flag; its pages are written over by the next
@@ -461,15 +492,8 @@ class PagedE4M3Cache(Cache):
         (the first forward does it otherwise), for requests that join one by one. The table,
         lengths and flags of the same batch size and device are kept (a compiled step's CUDA
         graph reads them where they are): they must be empty (reset() first)."""
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        st = self.slot_table
-        if st is not None and st.batch == batch and st.device == device:
-            if self.get_seq_length():
-                raise ValueError("PagedE4M3Cache.start: the cache holds requests: reset() first")
-            return
-        self._allocate(batch, device)
+        if self.pager.start(batch, device):
+            self._unread = None
 
     # -- calibration -----------------------------------------------------------------------------
     def scales(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -477,13 +501,7 @@ class PagedE4M3Cache(Cache):
         checkpoint's, or calibrated (by calibrate() or the first forward); None for a layer
         that has not calibrated yet. Another cache given them (k_scale=, v_scale=) stores the
         same values."""
-        return tuple(
-            [
-                None if x is None else x.detach().clone()
-                for x in (getattr(l, w) for l in self.layers)
-            ]
-            for w in ("k_scale", "v_scale")
-        )
+        return _Scales.of(self.layers)
 
     @torch.no_grad()
     def calibrate(self, model, input_ids, attention_mask=None, headroom: float = HEADROOM):
@@ -491,117 +509,18 @@ class PagedE4M3Cache(Cache):
         left out): amax per KV head / 448 x headroom. The scales then stay, through reset(),
         for every batch: a request's tokens no longer depend on the other requests. Returns
         self, empty."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        pos = positions(attention_mask)
-        self.reset()
-        self._calibrate, reserve, self.reserve = headroom, self.reserve, 0
-        try:
-            model(
-                input_ids, attention_mask=attention_mask, position_ids=pos, cache=self,
-                logits_to_keep=1,
-            )  # fmt: skip
-        finally:
-            self._calibrate, self.reserve = None, reserve
-            self.reset()
+        self.quant.calibrate(self, model, input_ids, attention_mask, headroom)
         return self
 
     # -- a forward ----------------------------------------------------------------------------------
-    def _allocate(self, B: int, device) -> None:
-        """The table of a batch of B: request b owns pages b * W .. (b + 1) * W - 1."""
-        if self._root is not self:
-            raise ValueError(
-                f"PagedE4M3Cache.request({self.slot_table.first}): a view takes one request on "
-                f"{self.slot_table.device}, the forward has {B} on {device}"
-            )
-        if B > self._max_batch:
-            raise ValueError(f"PagedE4M3Cache: batch {B} > max_batch_size {self._max_batch}")
-        # a compiled first forward cannot check (a data-dependent branch): reset() first
-        st = self.slot_table
-        if st is not None and not torch.compiler.is_compiling() and self.get_seq_length():
-            raise ValueError(
-                f"PagedE4M3Cache holds {st.batch} requests, the forward has {B}: "
-                "call cache.reset() before a new batch"
-            )
-        W = SlotTable.width(self.num_pages, B, self.page_size)
-        if W < 1:
-            raise ValueError(
-                f"PagedE4M3Cache: {self.num_pages} pages for a batch of {B}: raise max_tokens"
-            )
-        self.slot_table = SlotTable(B, W, self.page_size, device)
-        self._unread, self.plan = None, None
-
-    def _prompt_checks(self, Q: int, valid) -> tuple[int, int]:
-        """An eager forward of more than MAX_ROWS rows (a prompt, a prefill chunk): one device
-        read, then refuse what would not fit or is not left padding before anything is stored.
-        Returns (pages in use after the step, the real tokens of the step)."""
-        self.check()
-        lens = self.slot_table.lens.tolist()
-        if valid is None:
-            n = [Q] * len(lens)
-        else:
-            if bool((valid[:, 1:] < valid[:, :-1]).any()):
-                raise ValueError(
-                    "sm70attn attention: the attention_mask has a zero after a one: only left "
-                    "padding (padding_side='left') is supported. generate() derives a mask from "
-                    "pad_token_id when none is given, so a prompt containing that token needs "
-                    "attention_mask=torch.ones_like(ids)"
-                )
-            n = valid.sum(1).tolist()
-        need = [a + b for a, b in zip(lens, n, strict=True)]
-        reserve = self.reserve if not any(lens) else 0
-        if max(need) + reserve > self.limit():
-            raise self.over_budget_error(max(need), reserve)
-        return -(-max(need) // self.page_size), sum(n)
-
-    def over_budget_error(
-        self, need: int, reserve: int = 0, who: str = "a request"
-    ) -> RuntimeError:
-        """The error for a request of `need` tokens plus `reserve` that its pages (limit())
-        cannot hold, with the max_tokens that would (or the kernels' contract)."""
-        cap, ps, want = self.limit(), self.page_size, need + reserve
-        B = self._root.slot_table.batch  # (a request(b) view: its batch's)
-        fix = (
-            f"the kernels serve at most {contract()} tokens a request"
-            if want > contract()
-            else f"use max_tokens >= {B * ps * -(-want // ps)}"
-        )
-        return RuntimeError(
-            f"PagedE4M3Cache is full: {who} needs {need} tokens"
-            + (f" + reserve {reserve}" if reserve else "")
-            + f", each of the {B} requests holds {cap} (max_tokens / batch): {fix}; "
-            "nothing was stored"
-        )
-
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Hand the attention this cache and the layer through the model's kwargs; the
         attention stores the new tokens (it sees the padding mask). Returns the new tokens."""
-        attn_kwargs = kwargs.get("kwargs")
-        if not isinstance(attn_kwargs, dict):
-            raise TypeError(
-                "PagedE4M3Cache: the model did not pass its attention kwargs to cache.update("
-                "..., kwargs=...), so the sm70attn attention cannot find the paged cache"
-            )
+        attn_kwargs = _attention_kwargs(kwargs)
         if not torch.compiler.is_compiling():
             if self._unread is not None:
                 self._unread = None
-                impl = getattr(self._config, "_attn_implementation", None)
-                why = (
-                    f"its attn_implementation is {impl!r}, not {NAME!r}"
-                    if impl != NAME
-                    else f"the config this cache was built from says {NAME!r}, so this cache "
-                    "was built from another model's config, or this model's attention was "
-                    "changed since: build the cache from the config of the model that runs it, "
-                    "PagedE4M3Cache(model.config, ...)"
-                )
-                raise RuntimeError(
-                    f"PagedE4M3Cache: the model's attention did not read the cache ({why}). "
-                    f"Call torch_sm70attn.integrations.transformers.register() and load the "
-                    f"model with attn_implementation={NAME!r}, or model.set_attn_implementation("
-                    f"{NAME!r}). Two models built from one config object share it: "
-                    "from_config(cfg, attn_implementation=...) writes into cfg, so give each "
-                    "model its own copy.deepcopy(cfg). Then cache.reset()"
-                )
+                raise _unread_error(self._config)
             self._unread = layer_idx
         attn_kwargs[NAME] = (self, layer_idx)
         return key_states, value_states
@@ -618,84 +537,34 @@ class PagedE4M3Cache(Cache):
         `v_scale`) and the step's paging.StepPlan, made at layer 0 (an eager forward's other
         layers reuse it: `self.plan`). A request whose first new token's position is not its
         length is flagged (on the device; raised at the next host check)."""
-        B, H, Q, D = key_states.shape
-        compiling = torch.compiler.is_compiling()
+        B, _, Q, _ = key_states.shape
         self._mark_read()
-        if valid is not None and (valid.dim() != 2 or valid.shape != (B, Q)):
-            valid = None if valid.dim() != 2 else valid[:, -Q:]
-        if valid is not None:
-            valid = valid.bool()
-        tokens = None  # real tokens of an eager forward checked on the host
-        if layer_idx == 0:
-            plan, tokens = self._begin(B, Q, valid, position_ids, key_states.device)
-        elif compiling or self.plan is None:
-            plan = self.slot_table.plan(Q, valid)
-        else:
-            plan = self.plan
-        if not compiling:
-            self.plan = plan if layer_idx < len(self.layers) - 1 else None
+        valid, last = _new_columns(valid, B, Q), layer_idx == len(self.layers) - 1
+        plan, tokens = self.pager.step(layer_idx, len(self.layers), B, Q, valid, position_ids,
+                                       key_states.device, self.reserve)  # fmt: skip
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
-        if self._calibrate is not None or layer.k_scale is None:
-            self._scales(layer, key_states, value_states, plan.valid)
-        k = key_states.transpose(1, 2).reshape(B * Q, H, D).half()
-        v = value_states.transpose(1, 2).reshape(B * Q, H, D).half()
-        sa.store_kv(
-            k, v, layer.keys, layer.values, plan.slots, k_scale=layer.k_scale, v_scale=layer.v_scale
-        )
-        if (Q > MAX_ROWS or self._root is not self) and not compiling and self._calibrate is None:
-            self._count(layer_idx, key_states, value_states, plan.valid, layer, tokens)
+        self.quant.store_with(layer, key_states, value_states, plan.valid)
+        layer.write(key_states, value_states, plan.slots)
+        if Q > MAX_ROWS or self.pager.root is not self.pager:  # a prompt, a view's chunk
+            self.quant.count(layer_idx, last, key_states, value_states, plan.valid, layer, tokens)
         return layer, plan
 
-    def _begin(self, B: int, Q: int, valid, position_ids, device) -> tuple[StepPlan, int | None]:
-        """Layer 0: the batch's table (at its first forward), the host checks of an eager
-        prompt, each request's length advanced by its real new tokens. Returns the step's plan
-        and, where the host checked the step, its real tokens."""
-        st = self.slot_table
-        if st is None or st.batch != B or st.device != device:
-            self._allocate(B, device)
-            st = self.slot_table
-        pages, tokens = None, None
-        if not torch.compiler.is_compiling():
-            # a prompt, a prefill or a request(b) view's chunk of one: one device read
-            if Q > MAX_ROWS or self._empty or self._root is not self:
-                pages, tokens = self._prompt_checks(Q, valid)
-                pages = pages if Q > MAX_ROWS else None
-            self._empty = False
-        starts = None
-        if position_ids is not None:
-            starts = position_ids.reshape(-1, position_ids.shape[-1])[:, 0]
-        st.advance(Q, valid, starts)
-        return st.plan(Q, valid, pages), tokens
 
-    def _scales(self, layer, key_states, value_states, valid) -> None:
-        """The user's scales, else (and always while calibrate() runs) calibrated from x."""
-        H, dev = key_states.shape[1], key_states.device
-        head = HEADROOM if self._calibrate is None else self._calibrate
-        k, v = (
-            paging.device_scale(given, H, dev)
-            if given is not None and self._calibrate is None
-            else paging.calibrated_scale(x, valid, head)
-            for given, x in zip(layer.given, (key_states, value_states), strict=True)
-        )
-        layer.set_scales(k, v)
+class _Request(PagedE4M3Cache):
+    """Request b of a PagedE4M3Cache's batch (`PagedE4M3Cache.request`): the cache's layers
+    (pools and scales), its scales' source and saturation counts, and request b's pager
+    (paging.Pager.request: a batch of one over views of its row of the table, its length and
+    flags, every forward checked on the host). Its own: the reserve (from the cache's) and the
+    update()/attention handshake."""
 
-    def _count(self, layer_idx, key_states, value_states, valid, layer, tokens) -> None:
-        """Saturated values of a prompt forward, counted on the device (one read at the last
-        layer); a warning once per cache with the fraction."""
-        sat = self.saturation  # (a request(b) view's is its cache's)
-        if layer_idx == 0:
-            sat.start(tokens)
-        sat.add(key_states, value_states, layer.k_scale, layer.v_scale, valid)
-        if layer_idx == len(self.layers) - 1 and sat.read():
-            frac = [f"{x:.3%}" for x in sat.fractions()]
-            warnings.warn(
-                f"PagedE4M3Cache: {frac[0]} of the K and {frac[1]} of the V values stored "
-                "so far saturated at 448 x scale (larger than the scales allow). Calibrate "
-                "on representative text (cache.calibrate(model, ids)) or give larger scales",
-                stacklevel=4,
-            )
+    def __init__(self, cache: PagedE4M3Cache, pager: paging.Pager):  # no super().__init__
+        Cache.__init__(self, layers=cache.layers)
+        self.pager, self.page_size, self.num_pages = pager, cache.page_size, cache.num_pages
+        self.reserve, self._config = cache.reserve, cache._config
+        self.quant, self.saturation = cache.quant, cache.saturation
+        self._unread = None
 
 
 # --- the attention -----------------------------------------------------------------------------
