@@ -15,7 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import torch_sm70attn as sa
 from torch_sm70attn import ops, reference, routes
 
-BINDING = Path(__file__).resolve().parents[1] / "csrc" / "binding.cpp"
+BINDING = Path(__file__).resolve().parents[1] / "csrc" / "binding"
+ROUTE, OPS = BINDING / "route.h", BINDING / "ops.h"
 NAMES = [r.name for r in routes.RULES]
 BY_NAME = {r.name: r for r in routes.RULES}
 
@@ -32,13 +33,13 @@ def test_every_rule_has_a_case_and_every_case_a_rule():
 def test_the_binding_names_its_rules_in_the_tables_order():
     """The binding decides the route of a CUDA call: route_refusal returns the name of the first
     rule failed, which ops.cuda_fallback words from the table."""
-    src = BINDING.read_text()
-    body = re.search(r"const char\* route_refusal\(.*?\n\}\n", src, re.S)
-    assert body, "route_refusal not found in csrc/binding.cpp"
+    body = re.search(r"const char\* route_refusal\(.*?\n\}\n", ROUTE.read_text(), re.S)
+    assert body, "route_refusal not found in csrc/binding/route.h"
     named = re.findall(r'return "([^"]+)";', body[0])
     assert named == [r.name for r in routes.RULES if r.by == "binding"]
-    assert "route_refusal(query, key_cache, value_cache," in src
-    assert "v_scale, rule)" in src  # the rule's name handed to the fallback
+    ops_src = OPS.read_text()
+    assert "route_refusal(query, key_cache, value_cache," in ops_src
+    assert "v_scale, rule)" in ops_src  # the rule's name handed to the fallback
 
 
 def _fake_cuda(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
