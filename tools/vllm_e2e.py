@@ -16,11 +16,12 @@ Steps:
   before the first difference, and the reference's top-2 logprob gap there (a near tie if small);
 - spec: the same requests with n-gram speculative decoding (7 drafts), through our verify path:
   tokens against plain decoding, acceptance from the server's /metrics;
-- stress: 200 greedy requests of 16 to 32K tokens (log-uniform, prompts sharing prefixes) at
-  concurrency 16 through one CUSTOM server with prefix caching, 2048 tokens a step (every long
-  prompt chunked) and 4096 KV blocks (requests preempted), a tenth of them aborted by the client:
-  no error response, the server alive, and a sample of 8 served again alone, tokens against the
-  stressed run's (the gap at a difference);
+- stress: 200 greedy requests of 16 to 32K tokens (log-uniform; half of them sharing prefixes,
+  half anywhere in the text) at concurrency 16 through one CUSTOM server with prefix caching,
+  1024 tokens a step (every long prompt chunked) and 2100 KV blocks (one 32K request's worth:
+  requests are preempted; the server's preemption counter is read), a tenth of them aborted by
+  the client after 0.02-0.5 s: no error response, the server alive, and a sample of 8 served
+  again alone, tokens against the stressed run's (the gap at a difference);
 - bench: `vllm bench serve` (random 32000-token prompts, 128 new tokens, ignore-eos, greedy) at
   each concurrency, our backend against FLASH_ATTN and TRITON_ATTN (what V100 users run today)
   with a float16 cache (served from the shipped folder: the scales' KV scheme would turn vLLM
@@ -289,17 +290,19 @@ def transformers_tokens(model: Path, ids: list[list[int]], new: int, device="cud
 # --- the benchmark -------------------------------------------------------------------------------
 # --- stress: the engine's scheduler around our backend -------------------------------------------
 STRESS = dict(
-    n=200, concurrency=16, new=32, abort_share=0.1, sample=8,
-    # every long prompt chunked; few KV blocks (16 tokens each): requests are preempted
-    args=["--max-num-batched-tokens", "2048", "--num-gpu-blocks-override", "4096",
+    n=200, concurrency=16, new=32, abort_share=0.1, abort_s=(0.02, 0.5), sample=8,
+    # every long prompt chunked; few KV blocks (16 tokens each: 2100 hold one 32K request, so
+    # 16 at once are preempted)
+    args=["--max-num-batched-tokens", "1024", "--num-gpu-blocks-override", "2100",
           "--enable-prefix-caching"],
 )  # fmt: skip
 
 
 def stress_requests(model: Path, n: int, seed=0) -> list[list[int]]:
-    """n prompts of 16 to 32K tokens (log-uniform), each a stretch of this package's source
-    starting at one of 8 offsets: prompts that start at the same offset share a prefix, which
-    prefix caching serves as a chunk over a cached past."""
+    """n prompts of 16 to 32K tokens (log-uniform), stretches of this package's source: the
+    even ones start at one of 8 offsets (prompts of one offset share a prefix, which prefix
+    caching serves as a chunk over a cached past), the odd ones anywhere (their own blocks:
+    the KV demand that preempts)."""
     import random
 
     from transformers import AutoTokenizer
@@ -308,18 +311,28 @@ def stress_requests(model: Path, n: int, seed=0) -> list[list[int]]:
 
     rng = random.Random(seed)
     stream = shipped.own_source(AutoTokenizer.from_pretrained(model, local_files_only=True))
-    top = MAX_LEN - STRESS["new"] - 64
+    top = min(MAX_LEN - STRESS["new"] - 64, len(stream) - 8000)
     out = []
-    for _ in range(n):
+    for i in range(n):
         length = int(math.exp(rng.uniform(math.log(16), math.log(top))))
-        start = rng.randrange(8) * 1000
+        start = rng.randrange(8) * 1000 if i % 2 == 0 else rng.randrange(len(stream) - length)
         out.append(stream[start : start + length].tolist())
     return out
 
 
+def counter(name: str) -> float:
+    """A counter of the server's /metrics, summed over its labels (0 if absent)."""
+    total = 0.0
+    for line in _get("/metrics").splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:_total)?(?:\{{[^}}]*\}})? ([0-9.e+]+)$", line)
+        if m:
+            total += float(m[1])
+    return total
+
+
 def stress(model: Path, seed=0) -> dict:
     """STRESS["n"] greedy requests at STRESS["concurrency"] through one server; a share of them
-    aborted by the client (its connection closed after a random 0.05-2 s); every other one must
+    aborted by the client (its connection closed after STRESS["abort_s"]); every other one must
     answer 200 with its tokens. Then a sample of the finished ones again, each alone: tokens
     against the stressed run's, with the top-2 logprob gap at the first difference."""
     import random
@@ -329,7 +342,7 @@ def stress(model: Path, seed=0) -> dict:
     rng = random.Random(seed)
     ids = stress_requests(model, STRESS["n"], seed)
     aborts = {i for i in range(len(ids)) if rng.random() < STRESS["abort_share"]}
-    waits = {i: rng.uniform(0.05, 2.0) for i in aborts}
+    waits = {i: rng.uniform(*STRESS["abort_s"]) for i in aborts}
     results: list = [None] * len(ids)
 
     def one(i):
@@ -361,6 +374,7 @@ def stress(model: Path, seed=0) -> dict:
     errors = {i: r for i, r in enumerate(results) if isinstance(r, str) and r != "aborted"}
     finished = [i for i, r in enumerate(results) if isinstance(r, dict)]
     alive = _get("/health", timeout=5) is not None
+    preempted = counter("vllm:num_preemptions")
     sample = rng.sample(finished, min(STRESS["sample"], len(finished)))
     alone = {}
     for i in sample:  # one at a time: each alone in the engine
@@ -375,6 +389,7 @@ def stress(model: Path, seed=0) -> dict:
         "config": {k: v for k, v in STRESS.items()},
         "requests": len(ids), "aborted_by_client": sorted(i for i in aborts if results[i] == "aborted"),
         "finished": len(finished), "errors": errors, "server_alive": alive, "wall_s": wall,
+        "preemptions": preempted,
         "prompt_tokens": sum(map(len, ids)), "longest": max(map(len, ids)),
         "sample_vs_alone": rows,
     }  # fmt: skip
