@@ -6,7 +6,7 @@
 # built by the host compiler and the kernels by NVRTC from the pip packages (the build step fails
 # if the binding's build names a toolkit folder).
 #   tools/gpu_suite.sh LOGDIR [pytest -k expression]
-# SUITE_STEPS="tests all-memcheck ..." runs only the steps named (info, build and no-toolkit always
+# SUITE_STEPS="tests all-memcheck ..." runs only the steps named (info, deps, build and no-toolkit always
 # run).
 # Logs: LOGDIR/{info,build,tests,sanitizer,all-<tool>,bench}.log, LOGDIR/bench.json,
 # LOGDIR/junit.xml.
@@ -32,7 +32,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log
 status=0
 step() {  # step NAME CMD...: run, log, remember failure, print one line
   local name=$1; shift
-  if [ -n "${SUITE_STEPS:-}" ] && [[ " info build no-toolkit $SUITE_STEPS " != *" $name "* ]]; then return; fi
+  if [ -n "${SUITE_STEPS:-}" ] && [[ " info deps build no-toolkit $SUITE_STEPS " != *" $name "* ]]; then return; fi
   local t0=$SECONDS
   "$@" >"$out/$name.log" 2>&1
   local rc=$?
@@ -40,6 +40,21 @@ step() {  # step NAME CMD...: run, log, remember failure, print one line
   printf '%-10s rc=%d %4ds  %s\n' "$name" $rc $((SECONDS - t0)) "$(tail -n 1 "$out/$name.log")"
 }
 step info python3 -m torch_sm70attn info
+# the test extras the CUDA tests need (a GPU machine's own transformers may be older than the
+# hf extra's: its transformers tests then fail on generate's arguments, not on this package)
+step deps python3 -c 'import importlib.metadata as m, sys
+need = {"transformers": (5, 24), "expecttest": (0,)}
+bad = []
+for n, v in need.items():
+    try:
+        have = m.version(n)
+    except m.PackageNotFoundError:
+        bad.append(f"{n} missing"); continue
+    want = ".".join(map(str, v))
+    if tuple(int(x) for x in have.split(".")[:len(v)] if x.isdigit()) < v:
+        bad.append(f"{n} {have} < {want}")
+print("; ".join(bad) + ": carry wheels in .whl/" if bad else "test extras present")
+sys.exit(1 if bad else 0)'
 step build python3 -m torch_sm70attn build
 # the binding's build line holds no toolkit folder (its CUDA headers are the pip packages')
 ninja_file=$(python3 -c 'from torch_sm70attn import _jit; print(_jit.build_dir(_jit.source_digest()) / "build.ninja")')
