@@ -164,9 +164,8 @@ class SM70AttnMetadataBuilder(AttentionMetadataBuilder[SM70AttnMetadata]):
                 qsl = torch.arange(0, B * rows + 1, rows, dtype=torch.int32, device=device)
                 table = torch.zeros(B, width, dtype=torch.int32, device=device)
                 lens = torch.zeros(B, dtype=torch.int32, device=device)
-                one = torch.ones(1, device=device)
                 # the uniform batch's own call (a full CUDA graph captures exactly this)
-                paging.attend_packed(q, kc, vc, table, qsl, lens, 1.0, one, one, rows=rows,
+                paging.attend_packed(q, kc, vc, table, qsl, lens, 1.0, 1.0, 1.0, rows=rows,
                                      uniform=True, tokens=B * rows)  # fmt: skip
                 calls += 1
         torch.cuda.synchronize(device)
