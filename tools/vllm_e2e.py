@@ -191,19 +191,25 @@ def prompts(model: Path, lengths: list[int]) -> list[list[int]]:
     return [stream[i * 997 : i * 997 + n].tolist() for i, n in enumerate(lengths)]
 
 
+def completion(model: Path, ids: list[int], new: int, timeout=600.0) -> dict:
+    """One greedy completion of `new` tokens: its token ids and top-2 logprobs a step."""
+    r = _post("/v1/completions", {
+        "model": str(model), "prompt": ids, "max_tokens": new, "temperature": 0, "logprobs": 2,
+        "return_tokens_as_token_ids": True, "ignore_eos": True,
+    }, timeout=timeout)  # fmt: skip
+    lp = r["choices"][0]["logprobs"]
+    return {
+        "tokens": [int(t.removeprefix("token_id:")) for t in lp["tokens"]],
+        "top2": [sorted(d.values(), reverse=True) for d in lp["top_logprobs"]],
+    }
+
+
 def complete(model: Path, ids: list[list[int]], new: int) -> list[dict]:
     """Concurrent greedy completions; per request its token ids and top-2 logprobs a step."""
     results: list[dict | None] = [None] * len(ids)
 
     def one(i):
-        r = _post("/v1/completions", {
-            "model": str(model), "prompt": ids[i], "max_tokens": new, "temperature": 0,
-            "logprobs": 2, "return_tokens_as_token_ids": True, "ignore_eos": True,
-        })  # fmt: skip
-        lp = r["choices"][0]["logprobs"]
-        toks = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
-        top = [sorted(d.values(), reverse=True) for d in lp["top_logprobs"]]
-        results[i] = {"tokens": toks, "top2": top}
+        results[i] = completion(model, ids[i], new)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ids))]
     for t in threads:
@@ -231,14 +237,23 @@ def compare(ours: list[dict], ref: list[dict]) -> list[dict]:
     return rows
 
 
-def metrics() -> dict:
-    """Speculative decoding's counters from the server's /metrics."""
-    got = {}
+def counters() -> dict[str, float]:
+    """The server's /metrics counters, each summed over its labels (a `_total` suffix dropped;
+    `_created` timestamps left out)."""
+    got: dict[str, float] = {}
     for line in _get("/metrics").splitlines():
-        m = re.match(r"^(vllm:spec_decode_num_\w+?)(?:_total)?(?:\{[^}]*\})? ([0-9.e+]+)$", line)
-        if m and "per_pos" not in m[1] and not m[1].endswith("_created"):
+        m = re.match(r"^(vllm:\w+?)(?:_total)?(?:\{[^}]*\})? ([0-9.e+]+)$", line)
+        if m and not m[1].endswith("_created"):
             got[m[1]] = got.get(m[1], 0.0) + float(m[2])
     return got
+
+
+def metrics() -> dict:
+    """Speculative decoding's counters from the server's /metrics."""
+    return {
+        k: v for k, v in counters().items()
+        if k.startswith("vllm:spec_decode_num_") and "per_pos" not in k
+    }  # fmt: skip
 
 
 def transformers_tokens(model: Path, ids: list[list[int]], new: int, device="cuda") -> list[dict]:
@@ -320,16 +335,6 @@ def stress_requests(model: Path, n: int, seed=0) -> list[list[int]]:
     return out
 
 
-def counter(name: str) -> float:
-    """A counter of the server's /metrics, summed over its labels (0 if absent)."""
-    total = 0.0
-    for line in _get("/metrics").splitlines():
-        m = re.match(rf"^{re.escape(name)}(?:_total)?(?:\{{[^}}]*\}})? ([0-9.e+]+)$", line)
-        if m:
-            total += float(m[1])
-    return total
-
-
 def stress(model: Path, seed=0) -> dict:
     """STRESS["n"] greedy requests at STRESS["concurrency"] through one server; a share of them
     aborted by the client (its connection closed after STRESS["abort_s"]); every other one must
@@ -346,12 +351,8 @@ def stress(model: Path, seed=0) -> dict:
     results: list = [None] * len(ids)
 
     def one(i):
-        body = {
-            "model": str(model), "prompt": ids[i], "max_tokens": STRESS["new"], "temperature": 0,
-            "logprobs": 2, "return_tokens_as_token_ids": True, "ignore_eos": True,
-        }  # fmt: skip
         try:
-            r = _post("/v1/completions", body, timeout=waits.get(i, 900.0))
+            return i, completion(model, ids[i], STRESS["new"], timeout=waits.get(i, 900.0))
         except (socket.timeout, TimeoutError):
             return i, "aborted"
         except urllib.error.HTTPError as e:
@@ -360,11 +361,6 @@ def stress(model: Path, seed=0) -> dict:
             if i in aborts:
                 return i, "aborted"
             return i, f"error: {e!r}"
-        lp = r["choices"][0]["logprobs"]
-        return i, {
-            "tokens": [int(t.removeprefix("token_id:")) for t in lp["tokens"]],
-            "top2": [sorted(d.values(), reverse=True) for d in lp["top_logprobs"]],
-        }
 
     t0 = time.time()
     with ThreadPoolExecutor(STRESS["concurrency"]) as pool:
@@ -374,7 +370,7 @@ def stress(model: Path, seed=0) -> dict:
     errors = {i: r for i, r in enumerate(results) if isinstance(r, str) and r != "aborted"}
     finished = [i for i, r in enumerate(results) if isinstance(r, dict)]
     alive = _get("/health", timeout=5) is not None
-    preempted = counter("vllm:num_preemptions")
+    preempted = counters().get("vllm:num_preemptions", 0.0)
     sample = rng.sample(finished, min(STRESS["sample"], len(finished)))
     alone = {}
     for i in sample:  # one at a time: each alone in the engine
