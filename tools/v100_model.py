@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import heapq
 import json
 import math
 import os
@@ -285,6 +286,24 @@ def combine_time(rows, D, splits, part_bytes, gpu, sass, prm, sms) -> float:
     return max(t, part_bytes / gpu["bw"])
 
 
+def tile_terms(per_tile, mix, gpu, hmma_latency, cyc, w, resident_warps) -> dict:
+    """Cycles of one KV tile of a warp by each bound: latency (lat_insts dependent issues of
+    `cyc` cycles each), issue (w warps a scheduler through the busiest pipe) and shared memory
+    (the SM's resident warps' bytes). per_tile, mix: the kernel's instructions a tile and their
+    classes (sass.json)."""
+    lat_insts = per_tile
+    if gpu["arch"] == "sm_70" and hmma_latency == "lo":
+        # one HMMA.16816 does the products of 8 HMMA.884: 7 in 8 off the latency path
+        lat_insts = per_tile - mix["tensor"] * 7 / 8
+    # pipes: each scheduler issues one instruction a cycle, each class at its pipe's rate
+    pipe = max(
+        [per_tile] + [n * gpu["pipe"].get(cl, 1) for cl, n in mix.items() if cl != "smem_bytes"]
+    )
+    return dict(
+        latency=lat_insts * cyc, issue=w * pipe, smem=resident_warps * mix["smem_bytes"] / SMEM_BW
+    )
+
+
 def predict(
     cell: dict,
     gpu_name: str,
@@ -318,15 +337,7 @@ def predict(
     # Executed instructions per warp: per tile and per CTA, static counts scaled by ncu (sm_90)
     d = dyn.get(name, {"tile": 1.0, "rest": 1.0})
     mix = {cl: n * d["tile"] for cl, n in k["tile_mix"].items()}
-    per_tile, per_cta, hmma = k["tile"] * d["tile"], k["rest"] * d["rest"], mix["tensor"]
-    lat_insts = per_tile
-    if arch == "sm_70" and hmma_latency == "lo":
-        # one HMMA.16816 does the products of 8 HMMA.884: 7 in 8 off the latency path
-        lat_insts = per_tile - hmma * 7 / 8
-    # pipes: each scheduler issues one instruction a cycle, each class at its pipe's rate
-    pipe = max(
-        [per_tile] + [n * gpu["pipe"].get(cl, 1) for cl, n in mix.items() if cl != "smem_bytes"]
-    )
+    per_tile, per_cta = k["tile"] * d["tile"], k["rest"] * d["rest"]
     lat = prm["lat_us"] * 1e-6 * gpu["clock"]
     # Round by round: the scheduler deals a round's CTAs out one an SM at a time, so its busiest
     # SMs hold cdiv(CTAs, sms) of them, and their warps (w per scheduler) set the round's time.
@@ -336,9 +347,7 @@ def predict(
         w = resident * W / SCHEDULERS  # warps per scheduler
         # latency: cycles between two issues of one warp, c + alpha w
         cyc = prm["c " + cname] + prm["alpha"] * w
-        terms = dict(
-            latency=lat_insts * cyc, issue=w * pipe, smem=resident * W * mix["smem_bytes"] / SMEM_BW
-        )
+        terms = tile_terms(per_tile, mix, gpu, hmma_latency, cyc, w, resident * W)
         bound = max(terms, key=terms.get)
         t_issue += (t * terms[bound] + per_cta * prm["c_rest"] + lat) / gpu["clock"]
         first = first or (bound, w)
@@ -671,8 +680,7 @@ def prefill_ctas(D, G, H_kv, chunk, past, n) -> list[int]:
 
 
 def predict_prefill(cell, gpu_name, sass, prm, hmma_latency="hi") -> dict:
-    import heapq
-
+    """Predicted ms, TFLOP/s and bound of one prefill cell (a chunk over a past) on a GPU."""
     gpu = GPUS[gpu_name]
     arch = gpu["arch"]
     D, G, H_kv, chunk, past = (cell[k] for k in ("D", "G", "H_kv", "chunk", "past"))
@@ -680,18 +688,8 @@ def predict_prefill(cell, gpu_name, sass, prm, hmma_latency="hi") -> dict:
     W, N = warps(D, 4), tile_tokens(D, 4)
     occ = occupancy(k["regs"], k["threads"], k["smem"] + VARLEN_SMEM_EXTRA, gpu)
     w = occ * W / SCHEDULERS
-    mix, per_tile = k["tile_mix"], k["tile"]
-    lat_insts = per_tile
-    if arch == "sm_70" and hmma_latency == "lo":
-        lat_insts = per_tile - mix["tensor"] * 7 / 8
-    pipe = max(
-        [per_tile] + [n * gpu["pipe"].get(cl, 1) for cl, n in mix.items() if cl != "smem_bytes"]
-    )
-    terms = dict(
-        latency=lat_insts * (prm[f"c varlen D{D}"] + prm["alpha"] * w),
-        issue=w * pipe,
-        smem=occ * W * mix["smem_bytes"] / SMEM_BW,
-    )
+    cyc = prm[f"c varlen D{D}"] + prm["alpha"] * w
+    terms = tile_terms(k["tile"], k["tile_mix"], gpu, hmma_latency, cyc, w, occ * W)
     t_tile = max(terms.values())
     slots = [0.0] * (gpu["sms"] * occ)
     for n in prefill_ctas(D, G, H_kv, chunk, past, N):
