@@ -348,7 +348,7 @@ class PagedE4M3Cache(Cache):
                  page_size: int = 16, k_scale=None, v_scale=None, reserve: int = 0):  # fmt: skip
         cfg = text_config(config)
         self.pager = paging.Pager(max_tokens, page_size, max_batch_size, reserve)
-        self.page_size, self.num_pages, self.reserve = page_size, self.pager.num_pages, reserve
+        self.reserve = reserve
         n = cfg.num_hidden_layers
         ks = paging.per_layer_scales(k_scale, n, "PagedE4M3Cache: k_scale")
         vs = paging.per_layer_scales(v_scale, n, "PagedE4M3Cache: v_scale")
@@ -359,6 +359,9 @@ class PagedE4M3Cache(Cache):
         self._unread = None  # the layer update() handed the cache to, until its attention reads it
 
     # -- what it holds -----------------------------------------------------------------------------
+    page_size = property(lambda self: self.pager.page_size, doc="Tokens a page holds.")
+    num_pages = property(lambda self: self.pager.num_pages, doc="Pages of each layer's pools.")
+
     @property
     def max_batch_size(self) -> int:
         """The largest batch (1 for a request(b) view)."""
@@ -397,9 +400,7 @@ class PagedE4M3Cache(Cache):
         """K and V values stored saturated at +-448 by prompt forwards, of `counted` each."""
         return self.saturation.saturated
 
-    @property
-    def counted(self) -> int:
-        return self.saturation.counted
+    counted = property(lambda self: self.saturation.counted, doc="Values counted, K and V each.")
 
     def uncalibrated(self) -> bool:
         """Whether a layer's scales are still to be calibrated from the first tokens stored."""
@@ -561,7 +562,7 @@ class _Request(PagedE4M3Cache):
 
     def __init__(self, cache: PagedE4M3Cache, pager: paging.Pager):  # no super().__init__
         Cache.__init__(self, layers=cache.layers)
-        self.pager, self.page_size, self.num_pages = pager, cache.page_size, cache.num_pages
+        self.pager = pager
         self.reserve, self._config = cache.reserve, cache._config
         self.quant, self.saturation = cache.quant, cache.saturation
         self._unread = None
