@@ -22,6 +22,7 @@
 
 #include <mma.h>
 
+#include "sm70attn/cta.h"
 #include "sm70attn/kv_tile.h"
 #include "sm70attn/params.h"
 #include "sm70attn/traits.h"
@@ -63,18 +64,9 @@ __device__ __forceinline__ void attend_cta(const PagedAttnParams& p) {
   i64 out_row0 = 0;  // paged_attention: [B*H_q*Q] row index of local row 0
   VarlenTile vt{nullptr};
   if constexpr (!VARLEN) {
-    const int bkv = fastdiv(blockIdx.x, p.div_rg), rg = blockIdx.x - bkv * p.row_groups;
-    b = fastdiv(bkv, p.div_hkv), kvh = bkv - b * p.H_kv;
-    row0 = rg * ROWS, nrows = min(ROWS, p.rows - row0);
-    out_row0 = ((i64)b * p.H_q + (i64)kvh * p.G) * p.Q + row0;
-
-    // This split's tokens: ceil(len / num_splits) rounded up to whole tiles, so the work follows
-    // the actual length while the grid depends on shapes only. Lengths are clamped to capacity.
-    const int capacity = p.max_pages * p.page_size;
-    len = min(max(p.seq_lens[b * p.seq_lens_stride], 0), capacity);
-    const int chunk = (fastdiv(len + p.num_splits - 1, p.div_splits) + N - 1) / N * N;
-    t_begin = (int)min((i64)len, (i64)split * chunk);
-    t_end = min(len, t_begin + chunk);
+    const CtaSpan cta = cta_span<ROWS, N>(p, split);
+    b = cta.b, kvh = cta.kvh, row0 = cta.row0, nrows = cta.nrows, out_row0 = cta.out_row0;
+    len = cta.len, t_begin = cta.t_begin, t_end = cta.t_end;
   } else {
     const int tile = fastdiv(blockIdx.x, p.div_hkv);
     kvh = blockIdx.x - tile * p.H_kv;

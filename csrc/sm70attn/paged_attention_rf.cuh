@@ -18,6 +18,7 @@
 // (mma_atoms.h); RfOps below is all that differs between the two atoms.
 #pragma once
 
+#include "sm70attn/cta.h"
 #include "sm70attn/kv_tile.h"
 #include "sm70attn/mma_atoms.h"
 #include "sm70attn/params.h"
@@ -206,16 +207,11 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rb = warp / TG, tg = warp % TG;
 
-  const int bkv = fastdiv(blockIdx.x, p.div_rg), rg = blockIdx.x - bkv * p.row_groups;
-  const int b = fastdiv(bkv, p.div_hkv), kvh = bkv - b * p.H_kv, split = blockIdx.y;
-  const int row0 = rg * ROWS, nrows = min(ROWS, p.rows - row0);
-  const i64 out_row0 = ((i64)b * p.H_q + (i64)kvh * p.G) * p.Q + row0;
-
-  const int capacity = p.max_pages * p.page_size;
-  const int len = min(max(p.seq_lens[b * p.seq_lens_stride], 0), capacity);
-  const int chunk = (fastdiv(len + p.num_splits - 1, p.div_splits) + N - 1) / N * N;
-  const int t_begin = (int)min((i64)len, (i64)split * chunk);
-  const int t_end = min(len, t_begin + chunk);
+  const int split = blockIdx.y;
+  const CtaSpan cta = cta_span<ROWS, N>(p, split);
+  const int b = cta.b, kvh = cta.kvh, row0 = cta.row0, nrows = cta.nrows, len = cta.len;
+  const i64 out_row0 = cta.out_row0;
+  const int t_begin = cta.t_begin, t_end = cta.t_end;
 
   // Where local row lr goes: out, or with splits the split's fp16 partial row (params.h).
   auto dst_row = [&](i64 row0, int sp, int lr) {
