@@ -572,6 +572,61 @@ def test_serve_finishing_at_the_prompt_and_at_eos(model):
         assert torch.equal(b, want), (a, b)
 
 
+def test_generate_and_serve_stop_at_the_models_eos_as_model_generate_does(model):
+    """eos_token_id=None takes the model's generation_config.eos_token_id (model.generate's
+    default); [] turns it off."""
+    prompts = requests((12, 30), seed=6)
+    ids, mask = left_padded(prompts)
+    kw = dict(max_new_tokens=10, drafts=2)
+    free = speculative.generate(model, ids, mask, cache=cache(model, 2), **kw)
+    eos = int(free.tokens[1][3])  # request 1 stops at its 4th token (or earlier, if it repeats)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = eos
+    try:
+        got = speculative.generate(model, ids, mask, cache=cache(model, 2), **kw)
+        served = speculative.serve(model, prompts, cache=cache(model, 2), **kw)
+        off = speculative.generate(model, ids, mask, cache=cache(model, 2), eos_token_id=[], **kw)
+        stock = [greedy_alone(model, p, 10)[0] for p in prompts]
+    finally:
+        model.generation_config.eos_token_id = saved
+    for b, a in enumerate(free.tokens):
+        n = (a == eos).nonzero().flatten()
+        want = a if not n.numel() else a[: int(n[0]) + 1]
+        assert torch.equal(got.tokens[b], want) and torch.equal(served.tokens[b], want), b
+        assert torch.equal(off.tokens[b], a), b
+        # stock generate stops there too (it pads a finished row with the pad id)
+        assert torch.equal(stock[b][: want.numel()], want), (b, stock[b], want)
+    assert got.tokens[1].numel() < 10
+
+
+def test_generate_refuses_what_is_not_a_batch_before_any_forward(model):
+    """What a new user passed (each failed inside the model or the cache before): Python lists,
+    1-D ids, an empty prompt, float ids, ids of another vocabulary, a mask of another shape or
+    with an empty row, no cache, a DynamicCache."""
+    from transformers import DynamicCache
+
+    ids = requests((12,), seed=3)[0][None]
+    c = cache(model, 2)
+    bad = [
+        (TypeError, r"input_ids is a list; pass a \[B, T\] integer tensor", ids[0].tolist(), None, c),
+        (ValueError, r"input_ids is 1-D \[12\]; .*ids\[None\] for one request", ids[0], None, c),
+        (ValueError, r"input_ids \[1, 0\] holds no tokens", ids[:, :0], None, c),
+        (TypeError, r"input_ids is a torch.float32 tensor", ids.float(), None, c),
+        (ValueError, r"outside \[0, 256\), the model's vocab_size", ids + 256, None, c),
+        (ValueError, r"attention_mask is \[1, 11\], input_ids \[1, 12\]", ids, ids[:, 1:], c),
+        (ValueError, r"attention_mask row 1 holds no tokens",
+         ids.repeat(2, 1), torch.tensor([[1] * 12, [0] * 12]), c),
+        (TypeError, r"cache is None; pass an empty .*PagedE4M3Cache\(model.config", ids, None, None),
+        (TypeError, r"cache is DynamicCache; pass an empty", ids, None, DynamicCache()),
+    ]  # fmt: skip
+    for err, match, x, mask, cc in bad:
+        with pytest.raises(err, match=match):
+            speculative.generate(model, x, mask, cache=cc, max_new_tokens=4)
+    with pytest.raises(TypeError, match=r"speculative.serve: cache is DynamicCache"):
+        speculative.serve(model, [ids[0]], cache=DynamicCache(), max_new_tokens=4)
+    assert c.lens is None  # nothing ran
+
+
 def test_a_prompt_through_request_b_touches_request_b_only(model):
     """cache.request(b): a batch of one over request b's pages; the others' pages, lengths and
     the logits match a fresh cache of one, bit for bit."""

@@ -79,11 +79,15 @@ def generate(
     assistant: a smaller model of the same vocabulary that drafts greedily instead of prompt
     lookup, with its own empty PagedE4M3Cache (assistant_cache) and optionally a compiled
     forward (assistant_forward); it runs drafts + 1 forwards of one row a step (the last
-    stores the last draft), so its cache holds what the model's does and both crop alike."""
+    stores the last draft), so its cache holds what the model's does and both crop alike.
+    eos_token_id: the id (or ids) that end a request; None: the model's
+    generation_config.eos_token_id, as model.generate stops; [] for none."""
     if max_new_tokens < 1 or drafts < 1:
         raise ValueError("speculative.generate: need max_new_tokens >= 1 and drafts >= 1")
+    _check_batch(input_ids, attention_mask, _vocab(model))
+    _check_cache(cache, "speculative.generate", "cache")
     _check_assistant(model, assistant, "speculative.generate")
-    eos = _eos(eos_token_id)
+    eos = _eos(model, eos_token_id)
     forward = model if forward is None else forward
     B, dev = input_ids.shape[0], input_ids.device
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(dev)
@@ -92,6 +96,7 @@ def generate(
     if assistant is not None:
         if assistant_cache is None:
             raise ValueError("speculative.generate: an assistant needs its own assistant_cache")
+        _check_cache(assistant_cache, "speculative.generate", "assistant_cache")
         _prompt(assistant, input_ids, assistant_cache, max_new_tokens + drafts, mask)
         drafter = (assistant if assistant_forward is None else assistant_forward, assistant_cache)
     last = logits[:, -1].argmax(-1).cpu()
@@ -153,10 +158,11 @@ def serve(
     if max_new_tokens < 1 or drafts < 1:
         raise ValueError("speculative.serve: need max_new_tokens >= 1 and drafts >= 1")
     _check_prompts(prompts, _vocab(model))
+    _check_cache(cache, "speculative.serve", "cache")
     _check_assistant(model, assistant, "speculative.serve")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError("speculative.serve: prefill_chunk >= 1 tokens (or None: whole prompts)")
-    eos = _eos(eos_token_id)
+    eos = _eos(model, eos_token_id)
     forward = model if forward is None else forward
     dev, S = model.device, cache.max_batch_size
     pairs, drafter = [(model, cache)], None  # drafter: the assistant's (forward, cache)
@@ -166,6 +172,7 @@ def serve(
                 f"speculative.serve: an assistant needs its own assistant_cache of {S} slots "
                 "(max_batch_size), as many as the cache's"
             )
+        _check_cache(assistant_cache, "speculative.serve", "assistant_cache")
         pairs.append((assistant, assistant_cache))
         drafter = (assistant if assistant_forward is None else assistant_forward, assistant_cache)
     _start(pairs, prompts, max_new_tokens + drafts, dev, calibrate=prefill_chunk is not None)
@@ -335,8 +342,11 @@ class _Decoding:
         return emitted, finished, mean
 
 
-def _eos(eos_token_id) -> set:
-    """The ids that end a request (eos_token_id: None, an id or a list of ids)."""
+def _eos(model, eos_token_id) -> set:
+    """The ids that end a request: eos_token_id (an id or a list of ids; [] for none), or where
+    it is None the model's generation_config.eos_token_id, as model.generate takes it."""
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     return set() if eos_token_id is None else set(torch.tensor(eos_token_id).reshape(-1).tolist())
 
 
@@ -374,6 +384,46 @@ def _check_prompts(prompts, vocab: int | None) -> None:
                 f"speculative.serve: prompt {i} holds token ids outside [0, {vocab}), the "
                 "model's vocab_size (ids of another tokenizer?)"
             )
+
+
+def _check_batch(ids, mask, vocab: int | None) -> None:
+    """generate's batch: input_ids a [B, T] integer tensor of ids in [0, vocab), T >= 1,
+    attention_mask (if given) of its shape, with at least one token a row."""
+    who, want = "speculative.generate", "a [B, T] integer tensor (torch.tensor([ids]) for one request)"
+    if not torch.is_tensor(ids):
+        raise TypeError(f"{who}: input_ids is a {type(ids).__name__}; pass {want}")
+    if ids.dim() != 2:
+        fix = ": ids[None] for one request" if ids.dim() == 1 else ""
+        raise ValueError(f"{who}: input_ids is {ids.dim()}-D {list(ids.shape)}; pass {want}{fix}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{who}: input_ids is a {ids.dtype} tensor; pass {want}")
+    if ids.numel() == 0:
+        raise ValueError(f"{who}: input_ids {list(ids.shape)} holds no tokens; each request needs one")
+    if vocab is not None and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+        raise ValueError(
+            f"{who}: input_ids holds token ids outside [0, {vocab}), the model's vocab_size "
+            "(ids of another tokenizer?)"
+        )
+    if mask is None:
+        return
+    if not torch.is_tensor(mask) or mask.shape != ids.shape:
+        got = list(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+        raise ValueError(f"{who}: attention_mask is {got}, input_ids {list(ids.shape)}: pass one of its shape")
+    empty = (mask.to("cpu") == 0).all(1).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"{who}: attention_mask row {empty[0]} holds no tokens; each request needs one")
+
+
+def _check_cache(cache, who: str, name: str) -> None:
+    """The loops store through a PagedE4M3Cache (its slots, reserve and crop by request)."""
+    from .transformers import PagedE4M3Cache
+
+    if not isinstance(cache, PagedE4M3Cache):
+        raise TypeError(
+            f"{who}: {name} is {type(cache).__name__ if cache is not None else 'None'}; pass an "
+            "empty torch_sm70attn.integrations.transformers.PagedE4M3Cache(model.config, "
+            "max_tokens=..., max_batch_size=...) with room for every request"
+        )
 
 
 def _check_assistant(model, assistant, who: str) -> None:
