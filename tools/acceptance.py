@@ -96,7 +96,9 @@ def measure(model, ids, args) -> dict:
 
         def gen(k=k):
             cache.reset()
-            o = speculative.generate(model, ids, cache=cache, max_new_tokens=new, drafts=k)
+            o = speculative.generate(  # every request to `new` tokens, as plain decode
+                model, ids, cache=cache, max_new_tokens=new, drafts=k, eos_token_id=[]
+            )
             toks = torch.stack(o.tokens)
             after = sum(map(sum, o.emitted[1:]))
             rate = after / (o.times[-1] - o.times[0])
@@ -104,7 +106,8 @@ def measure(model, ids, args) -> dict:
 
         def srv(k=k):
             o = speculative.serve(
-                model, list(ids.unbind(0)), cache=slots, max_new_tokens=new, drafts=k
+                model, list(ids.unbind(0)), cache=slots, max_new_tokens=new, drafts=k,
+                eos_token_id=[],
             )
             toks = torch.stack(o.tokens)
             after = sum(map(sum, o.emitted[1:]))  # after the first round's prompts

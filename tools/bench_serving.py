@@ -78,7 +78,8 @@ def window(out: speculative.Output, new: int) -> tuple[float, float]:
 
 def spec_run(model, ids, cache, new, drafts, forward=None):
     out = speculative.generate(
-        model, ids, cache=cache, max_new_tokens=new, drafts=drafts, forward=forward
+        model, ids, cache=cache, max_new_tokens=new, drafts=drafts, forward=forward,
+        eos_token_id=[],  # every request to `new` tokens, as generate_run's min_new_tokens
     )
     rate, per_step = window(out, new)
     return rate, per_step, statistics.mean(out.accepted)

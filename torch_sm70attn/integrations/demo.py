@@ -95,7 +95,9 @@ def _lookup(model, ids, cache, new, draft, forward=None):
     from .speculative import generate
 
     t0 = _now(ids.device)
-    out = generate(model, ids, cache=cache, max_new_tokens=new, drafts=draft, forward=forward)
+    out = generate(  # every request runs to `new` tokens, as min_new_tokens does above
+        model, ids, cache=cache, max_new_tokens=new, drafts=draft, forward=forward, eos_token_id=[]
+    )
     running = sum(sum(n > 0 for n in step) for step in out.emitted[1:])  # a running request
     per_step = sum(map(sum, out.emitted[1:])) / max(running, 1)  # emits >= 1 a step
     seqs = torch.stack(out.tokens).to(ids.device)
