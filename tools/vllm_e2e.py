@@ -430,6 +430,7 @@ def bench(out: Path, model: Path, name: str, concurrency: list[int], new: int) -
 
 
 def main() -> int:
+    global MAX_LEN
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--steps", default="tokens,spec,bench")
@@ -443,7 +444,6 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, nargs="+",
                     default=[37, 300, 1200, 2500, 6000, 11000, 20000, 30000])  # fmt: skip
     a = ap.parse_args()
-    global MAX_LEN
     MAX_LEN = a.max_len
     a.out.mkdir(parents=True, exist_ok=True)
     steps = a.steps.split(",")
