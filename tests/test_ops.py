@@ -361,6 +361,19 @@ def test_cli_build_without_gpu_or_arch_list():
     assert "no CUDA device and no TORCH_CUDA_ARCH_LIST" in r.stderr
 
 
+def test_cli_build_for_sm70_without_the_cuda12_extra_is_one_message():
+    """`build` with TORCH_CUDA_ARCH_LIST=7.0 where cuda-bindings (the cuda12 extra) is missing:
+    the install command, no traceback."""
+    import importlib.util
+
+    if importlib.util.find_spec("cuda") is not None:
+        pytest.skip("cuda-bindings is installed here: build would compile, not fail")
+    r = cli("build", CUDA_VISIBLE_DEVICES="", TORCH_CUDA_ARCH_LIST="7.0")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "python -m torch_sm70attn build: error: " in r.stderr, r.stderr
+    assert "cuda-bindings, which is not installed: pip install" in r.stderr, r.stderr
+
+
 def test_cli_check_small_context():
     r = cli("check", "--device", "cpu", "--context", "100", "--reps", "1")
     assert r.returncode == 0, r.stdout + r.stderr

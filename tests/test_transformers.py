@@ -188,6 +188,25 @@ def test_float32_model_is_refused_with_the_fix():
             m(torch.randint(0, 64, (1, 4)), cache=hf.PagedE4M3Cache(m.config, max_tokens=64))
 
 
+def test_cli_mistakes_are_one_message_and_a_nonzero_exit():
+    """What a new user typed: a model folder that is not there, a context longer than the
+    shipped text. One message on stderr, exit 1, no traceback (--debug keeps it)."""
+    from helpers_cli import cli
+
+    cases = [
+        (("demo", "--device", "cpu", "--model", "/nonexistent"), "no model at /nonexistent"),
+        (("demo", "--device", "cpu", "--context", "100000", "--new-tokens", "3", "--runs", "1"),
+         "use a shorter context"),
+    ]  # fmt: skip
+    for args, words in cases:
+        r = cli(*args)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "python -m torch_sm70attn demo: error: " in r.stderr and words in r.stderr, r.stderr
+        assert "--debug demo" in r.stderr, r.stderr
+    r = cli("--debug", *cases[0][0])
+    assert r.returncode == 1 and "Traceback" in r.stderr and "FileNotFoundError" in r.stderr
+
+
 def test_cli_demo_prints_the_shipped_models_completion():
     """The demo on a CPU: the shipped model continues this package's own code, and the text it
     prints for stock float16 is the decode of stock greedy generation on the same prompts

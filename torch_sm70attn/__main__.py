@@ -274,6 +274,9 @@ def _demo_device(text: str) -> torch.device:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m torch_sm70attn", description=__doc__)
+    ap.add_argument(
+        "--debug", action="store_true", help="a failure's Python traceback, not one message"
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions, device, manifest, routes, CUDA library status")
     b = sub.add_parser(
@@ -306,7 +309,16 @@ def main(argv=None) -> int:
     )
     c.add_argument("--reps", type=_at_least(1), default=5)
     args = ap.parse_args(argv)
-    return {"info": info, "build": build, "demo": demo, "check": check}[args.cmd](args)
+    run = {"info": info, "build": build, "demo": demo, "check": check}[args.cmd]
+    if args.debug:
+        return run(args)
+    try:
+        return run(args)
+    except (ValueError, TypeError, RuntimeError, OSError, ImportError) as e:
+        # what a user can fix (a path, a length, a missing package): its message, no traceback
+        print(f"{ap.prog} {args.cmd}: error: {e}", file=sys.stderr)
+        print(f"(the traceback: python -m torch_sm70attn --debug {args.cmd} ...)", file=sys.stderr)
+        return 1
 
 
 def demo(args) -> int:
