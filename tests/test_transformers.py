@@ -177,6 +177,11 @@ def test_errors_say_what_to_do(model):
         with torch.no_grad():
             model(ids, cache=paged(model))
     assert hf.register() == hf.register() == "sm70attn"
+    fewer = tiny()
+    fewer.num_hidden_layers = 1  # a config of fewer layers than the model's 2
+    with pytest.raises(ValueError, match=r"layer 1 has no pages here: this cache holds 1 layers"):
+        with torch.no_grad():
+            model(prompt(), cache=hf.PagedE4M3Cache(fewer, max_tokens=256, k_scale=KS, v_scale=VS))
 
 
 def test_float32_model_is_refused_with_the_fix():

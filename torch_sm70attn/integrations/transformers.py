@@ -518,6 +518,7 @@ class PagedE4M3Cache(Cache):
         """Hand the attention this cache and the layer through the model's kwargs; the
         attention stores the new tokens (it sees the padding mask). Returns the new tokens."""
         attn_kwargs = _attention_kwargs(kwargs)
+        _check_layer(layer_idx, len(self.layers))
         if not torch.compiler.is_compiling():
             if self._unread is not None:
                 self._unread = None
@@ -551,6 +552,15 @@ class PagedE4M3Cache(Cache):
         if Q > MAX_ROWS or self.pager.root is not self.pager:  # a prompt, a view's chunk
             self.quant.count(layer_idx, last, key_states, value_states, plan.valid, layer, tokens)
         return layer, plan
+
+
+def _check_layer(layer_idx: int, layers: int) -> None:
+    if not 0 <= layer_idx < layers:
+        raise ValueError(
+            f"PagedE4M3Cache: the model's attention layer {layer_idx} has no pages here: this "
+            f"cache holds {layers} layers (the num_hidden_layers of the config it was made "
+            "from); make it from this model's config: PagedE4M3Cache(model.config, ...)"
+        )
 
 
 class _Request(PagedE4M3Cache):
