@@ -63,7 +63,9 @@ def compile_config(**kw):
     """transformers' CompileConfig for generate() through the sm70attn backend: fullgraph,
     mode "reduce-overhead" (CUDA graphs: inductor's where Triton runs, the backend's own
     recorder on a V100); `kw` overrides. Without one, generate() compiles the decode steps of a
-    compileable cache on any GPU with inductor, which cannot target a V100."""
+    compileable cache on any GPU with inductor, which cannot target a V100. On a CPU generate
+    compiles nothing with any CompileConfig (transformers compiles on GPUs only): its steps run
+    eagerly; torch.compile(model, backend="sm70attn") compiles there too."""
     from transformers import CompileConfig
 
     return CompileConfig(**{"fullgraph": True, "backend": NAME, "mode": "reduce-overhead", **kw})
