@@ -260,9 +260,25 @@ def _agreement(ref, ref_logits, greedy, logits) -> None:
         f"{', '.join(f'{a} of {n}' for a in agreed)} (per request); largest logit deviation "
         f"over those steps and the step of the difference: {dev:.3g} (logits up to {scale:.3g})"
     )
+    for b, first in enumerate(agreed):
+        if first < n:
+            tie = _tie(ref_logits[b, first], int(ref[b, first]), int(greedy[b, first]), first)
+            _say(f"request {b}: {tie}")
     _say(
         "(the FP8 KV cache rounds K and V to 3 mantissa bits: small deviations, and where two "
         "logits nearly tie a different token, are expected; docs/quality.md measures them)"
+    )
+
+
+def _tie(step, theirs: int, ours: int, i: int) -> str:
+    """Stock's logits at the first difference (step [V]): how far its token is above ours, as a
+    share of the logits' range (under 1%: a near tie, which rounding may break either way)."""
+    gap = float(step[theirs] - step[ours])
+    share = gap / max(float(step.max() - step.min()), 1e-30)
+    verdict = "a near tie" if share <= 0.01 else "not a near tie: please report it"
+    return (
+        f"first different token at step {i}: stock's logit for its token {theirs} is {gap:.3g} "
+        f"above its logit for ours ({ours}), {100 * share:.2f}% of its logits' range: {verdict}"
     )
 
 
