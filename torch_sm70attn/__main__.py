@@ -326,7 +326,7 @@ def demo(args) -> int:
         import transformers  # noqa: F401
     except ImportError:
         print(
-            "the demo runs a transformers model: pip install 'torch-sm70attn[hf]' "
+            f"the demo runs a transformers model: {toolchain.install_hint('hf')} "
             "(or 'python -m torch_sm70attn check' for the op alone)",
             file=sys.stderr,
         )

@@ -41,8 +41,22 @@ class Toolkit:
 
 
 def _install_hint(major: int) -> str:
-    extra = PACKAGES.get(major, PACKAGES[12])["extra"]
-    return f"pip install 'torch-sm70attn[{extra}]' (or -e '.[{extra}]' in a checkout)"
+    return install_hint(PACKAGES.get(major, PACKAGES[12])["extra"])
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs an extra: the package installs from its source checkout (it is
+    not on the package index), so the extra's own requirements, as this install's metadata
+    lists them, and the checkout's command."""
+    import importlib.metadata
+
+    try:
+        reqs = importlib.metadata.requires("torch-sm70attn") or []
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        reqs = []
+    mine = [r.split(";")[0].strip() for r in reqs if f'extra == "{extra}"' in r]
+    checkout = f"pip install -e '.[{extra}]' in the torch_sm70attn checkout"
+    return f"pip install {' '.join(repr(r) for r in mine)} (or {checkout})" if mine else checkout
 
 
 def _nvidia_dirs() -> list[Path]:

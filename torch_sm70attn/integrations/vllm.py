@@ -1,6 +1,6 @@
 """vLLM: the E4M3 KV-cache attention backend a V100 lacks, as a plugin.
 
-    pip install 'torch-sm70attn[cuda12,vllm]'     # torch 2.10.0, vllm 0.19.1
+    pip install -e '.[cuda12,vllm]'     # in the checkout: torch 2.10.0, vllm 0.19.1
     vllm serve MODEL --attention-backend CUSTOM --kv-cache-dtype fp8_e4m3 --dtype float16
 
 vLLM loads `register` through its `vllm.general_plugins` entry point in every process; it
