@@ -212,6 +212,20 @@ def test_cli_mistakes_are_one_message_and_a_nonzero_exit():
     assert r.returncode == 1 and "Traceback" in r.stderr and "FileNotFoundError" in r.stderr
 
 
+def test_demo_names_a_near_tie_at_the_first_difference():
+    """The demo's line at a request's first token that differs from stock's: stock's gap there,
+    as a share of its logits' range, a near tie under 1%."""
+    from torch_sm70attn.integrations import demo
+
+    step = torch.tensor([0.0, 5.0, 4.99, -3.0])
+    assert demo._tie(step, 1, 2, 7) == (
+        "first different token at step 7: stock's logit for its token 1 is 0.01 above its logit "
+        "for ours (2), 0.13% of its logits' range: a near tie"
+    )
+    assert demo._tie(step, 1, 0, 7).endswith("62.50% of its logits' range: not a near tie: "
+                                              "please report it")  # fmt: skip
+
+
 def test_cli_demo_prints_the_shipped_models_completion():
     """The demo on a CPU: the shipped model continues this package's own code, and the text it
     prints for stock float16 is the decode of stock greedy generation on the same prompts
