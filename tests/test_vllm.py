@@ -3,7 +3,7 @@ config (the shipped model's, an n-gram speculative config of 7 drafts), the meta
 CommonAttentionMetadata of mixed batches as vLLM's model runner lays them out, the plugin's
 entry point and the refusals. The outputs are compared with an FP64 oracle over the E4M3 values
 an independent encoder gives (tests/oracle.py). Runs where vLLM is installed (CI: torch 2.10.0
-with vllm 0.19.1)."""
+with vllm 0.19.1; vLLM 0.26, the newer GPUs' release, with TORCH_SM70ATTN_VLLM_PROXY=1)."""
 
 from types import SimpleNamespace
 
@@ -330,11 +330,18 @@ def test_startup_refusals_name_the_option(kw, says):
         assert any(says in r for r in reasons), reasons
 
 
-def test_other_vllm_releases_are_refused():
+def test_other_vllm_releases_are_refused(monkeypatch):
     assert backend.version_refusal("0.19.1") is None
-    assert backend.version_refusal(vllm.__version__) is None
+    assert backend.version_refusal(vllm.__version__) is None  # (0.26: with the opt-in set)
     why = backend.version_refusal("0.21.0")
     assert "0.21.0" in why and "vllm==0.19.1" in why
+    # 0.26 (the newer GPUs' torch 2.11) only by the opt-in its GPU runs set
+    monkeypatch.delenv(backend.PROXY_ENV, raising=False)
+    why = backend.version_refusal("0.26.0")
+    assert "not 0.26.0 (0.26 only with TORCH_SM70ATTN_VLLM_PROXY=1, for runs on newer GPUs)" in why
+    monkeypatch.setenv(backend.PROXY_ENV, "1")
+    assert backend.version_refusal("0.26.0") is None
+    assert "0.21.0" in backend.version_refusal("0.21.0")
 
 
 @pytest.mark.parametrize(

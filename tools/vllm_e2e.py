@@ -128,6 +128,7 @@ def server(out: Path, name: str, model: Path, backend: str, kv_dtype: str, spec=
     """`vllm serve` in its own process; yields the log's path once /health answers. `extra`:
     more arguments (they follow the defaults, so they override them)."""
     logf = out / f"server-{name}.log"
+    os.environ.setdefault("TORCH_SM70ATTN_VLLM_PROXY", "1")  # vLLM 0.26 on a newer GPU
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
         "--port", str(PORT), "--dtype", "float16", "--kv-cache-dtype", kv_dtype,
