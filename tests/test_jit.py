@@ -316,3 +316,27 @@ def test_a_build_killed_half_way_says_what_to_delete_then_rebuilds(tmp_path):
         assert attempt == 0 and f"delete {out} and retry" in e, e
         shutil.rmtree(out)
     assert f"digest {digest}" in o
+
+
+def test_the_builders_no_cuda_runtime_warning_is_not_shown():
+    """On a machine with no GPU, importing torch's builder logs "No CUDA runtime is found, using
+    CUDA_HOME=..." (a CUDA build of torch only, as V100 users' torch 2.10.0): harmless for this
+    package's build, so its import of the builder keeps it quiet. A fresh process, so that the
+    builder is imported there first; torch's own import still warns (the check that the case
+    arises here)."""
+    import subprocess
+    import sys
+
+    if not torch.cuda._is_compiled():
+        pytest.skip("a CPU build of torch: its builder looks for no CUDA_HOME")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the builder does not warn")
+    env = dict(os.environ, CUDA_HOME="/usr")  # any folder: the builder takes CUDA_HOME as given
+    code = "import logging; logging.basicConfig(); from torch_sm70attn import _jit\n"
+    ours = subprocess.run([sys.executable, "-c", code + "_jit.import_cpp_extension()"],
+                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    theirs = subprocess.run([sys.executable, "-c", code + "from torch.utils import cpp_extension"],
+                            capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert ours.returncode == theirs.returncode == 0, ours.stderr + theirs.stderr
+    assert "No CUDA runtime is found" in theirs.stderr, theirs.stderr
+    assert "No CUDA runtime is found" not in ours.stderr, ours.stderr

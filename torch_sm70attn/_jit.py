@@ -175,14 +175,27 @@ def is_built(digest: str | None = None) -> bool:
     return any(build_dir(d).glob(f"{module_name(d)}*.so"))
 
 
+def import_cpp_extension():
+    """torch.utils.cpp_extension, without the warning its import logs on a machine with no GPU
+    ("No CUDA runtime is found, using CUDA_HOME=..."): harmless here, as the binding is built
+    by the host compiler alone and its CUDA headers come from pip packages (toolchain.py)."""
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        quiet.setLevel(level)
+    return cpp_extension
+
+
 @functools.cache
 def load():
     """Build (the first time for these sources and this torch, a minute) and load the binding;
     returns the module. Loading registers the CUDA implementations of the sm70attn:: ops
     (TORCH_LIBRARY_IMPL); torch_sm70attn.ops.load_cuda_kernels then hands it its kernel loader.
     """
-    from torch.utils import cpp_extension
-
+    cpp_extension = import_cpp_extension()
     if torch.version.cuda is None:
         raise RuntimeError(
             f"torch_sm70attn: this torch ({torch.__version__}) is a CPU-only build: the CUDA "
