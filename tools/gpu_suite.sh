@@ -53,6 +53,11 @@ for n, v in need.items():
     want = ".".join(map(str, v))
     if tuple(int(x) for x in have.split(".")[:len(v)] if x.isdigit()) < v:
         bad.append(f"{n} {have} < {want}")
+        continue
+    try:  # a carried wheel may not import beside the machine's own packages
+        __import__(n)
+    except Exception as e:
+        bad.append(f"{n} {have} does not import: {e!r}"[:300])
 print("; ".join(bad) + ": carry wheels in .whl/" if bad else "test extras present")
 sys.exit(1 if bad else 0)'
 step build python3 -m torch_sm70attn build
