@@ -33,4 +33,20 @@ __device__ __forceinline__ CtaSpan cta_span(const PagedAttnParams& p, int split)
   return c;
 }
 
+// Eight float16 of a query row (src: their first) from global memory: one 16-byte load where the
+// query's rows allow it (p.q_vec16), else eight 2-byte loads.
+__device__ __forceinline__ uint4 load_q8(const __half* src, bool vec16) {
+  uint4 x;
+  if (vec16) {
+    x = __ldg(reinterpret_cast<const uint4*>(src));
+  } else {
+    const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
+    x.x = __ldg(s + 0) | (unsigned)__ldg(s + 1) << 16;
+    x.y = __ldg(s + 2) | (unsigned)__ldg(s + 3) << 16;
+    x.z = __ldg(s + 4) | (unsigned)__ldg(s + 5) << 16;
+    x.w = __ldg(s + 6) | (unsigned)__ldg(s + 7) << 16;
+  }
+  return x;
+}
+
 }  // namespace sm70attn

@@ -135,15 +135,7 @@ __device__ __forceinline__ void attend_cta(const PagedAttnParams& p) {
         const int m = row0 + lr, g = fastdiv(m, p.div_q), r = m - g * p.Q;
         src = p.q + b * p.q_stride_b + (i64)(kvh * p.G + g) * p.q_stride_h + r * p.q_stride_r + part * 8;
       }
-      if (p.q_vec16) {
-        x = __ldg(reinterpret_cast<const uint4*>(src));
-      } else {
-        const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
-        x.x = __ldg(s + 0) | (unsigned)__ldg(s + 1) << 16;
-        x.y = __ldg(s + 2) | (unsigned)__ldg(s + 3) << 16;
-        x.z = __ldg(s + 4) | (unsigned)__ldg(s + 5) << 16;
-        x.w = __ldg(s + 6) | (unsigned)__ldg(s + 7) << 16;
-      }
+      x = load_q8(src, p.q_vec16);
     }
     // D permuted within groups of 4 like K and V (e4m3.h): positions 0..3 hold q0, q2, q1, q3.
     *reinterpret_cast<uint4*>(Qs + lr * KT::QLD + part * 8) =

@@ -234,15 +234,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     if (lr < nrows) {
       const int m = row0 + lr, g = fastdiv(m, p.div_q), r = m - g * p.Q;
       const __half* src = p.q + b * p.q_stride_b + (i64)(kvh * p.G + g) * p.q_stride_h + r * p.q_stride_r + part * 8;
-      if (p.q_vec16) {
-        x = __ldg(reinterpret_cast<const uint4*>(src));
-      } else {
-        const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
-        x.x = __ldg(s + 0) | (unsigned)__ldg(s + 1) << 16;
-        x.y = __ldg(s + 2) | (unsigned)__ldg(s + 3) << 16;
-        x.z = __ldg(s + 4) | (unsigned)__ldg(s + 5) << 16;
-        x.w = __ldg(s + 6) | (unsigned)__ldg(s + 7) << 16;
-      }
+      x = load_q8(src, p.q_vec16);
     }
     uint2* dst = reinterpret_cast<uint2*>(Qs + lr / 8 * KT::Q_GROUP + lr % 8 * KT::QLD + part * 8);
     dst[0] = make_uint2(__byte_perm(x.x, x.y, 0x5410), __byte_perm(x.x, x.y, 0x7632));
