@@ -184,6 +184,18 @@ def test_errors_say_what_to_do(model):
             model(prompt(), cache=hf.PagedE4M3Cache(fewer, max_tokens=256, k_scale=KS, v_scale=VS))
 
 
+def test_an_older_transformers_is_refused_at_import_with_the_fix():
+    """transformers before 5.24 drops generate's cache argument ("model_kwargs are not used by
+    the model: ['cache']", seen on a GPU machine with 5.17): the adapter's import says so."""
+    assert hf.version_refusal("5.17.0") == (
+        "torch_sm70attn's transformers adapter needs transformers >= 5.24, this is 5.17.0: "
+        "pip install 'transformers>=5.24'"
+    )
+    assert hf.version_refusal("4.57.1") is not None
+    for ok in ("5.24.0", "5.24.0.dev0", "5.25.0", "6.0.0"):
+        assert hf.version_refusal(ok) is None, ok
+
+
 def test_float32_model_is_refused_with_the_fix():
     hf.register()
     cfg = tiny(vocab=64, hidden=128, heads=4, head_dim=64)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
@@ -50,6 +51,26 @@ HEADROOM = 2.0  # calibrated scale = amax / 448 * HEADROOM: later tokens may be 
 # The keys of the one-time warnings given in this process. Public for the tests, which drop a
 # key to see its warning again.
 warned: set[str] = set()
+
+
+MIN_TRANSFORMERS = (5, 24)  # generate(cache=...), the attention and mask interfaces used here
+
+
+def version_refusal(version: str) -> str | None:
+    """Why this transformers release cannot take the adapter, or None. (Older ones drop the
+    cache argument with "model_kwargs are not used by the model: ['cache']".)"""
+    have = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if have >= MIN_TRANSFORMERS:
+        return None
+    want = ".".join(map(str, MIN_TRANSFORMERS))
+    return (
+        f"torch_sm70attn's transformers adapter needs transformers >= {want}, this is {version}: "
+        f"pip install 'transformers>={want}'"
+    )
+
+
+if (_why := version_refusal(transformers.__version__)) is not None:
+    raise ImportError(_why)
 
 
 def register(name: str = NAME) -> str:
