@@ -407,14 +407,19 @@ def log_counts(logf: Path) -> dict:
     }
 
 
+def bench_input_len(new: int) -> int:
+    """A bench prompt's tokens: the servers' length less the new tokens and 640 of headroom."""
+    return MAX_LEN - new - 640
+
+
 def bench(out: Path, model: Path, name: str, concurrency: list[int], new: int) -> list[dict]:
-    rows = []
+    rows, input_len = [], bench_input_len(new)
     for c in concurrency:
         f = f"bench-{name}-c{c}.json"
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
             "--backend", "vllm", "--base-url", f"http://127.0.0.1:{PORT}", "--model", str(model),
-            "--dataset-name", "random", "--random-input-len", str(MAX_LEN - new - 640),
+            "--dataset-name", "random", "--random-input-len", str(input_len),
             "--random-output-len", str(new), "--num-prompts", str(max(2 * c, 4)),
             "--max-concurrency", str(c), "--ignore-eos", "--temperature", "0", "--seed", "0",
             "--save-result",
@@ -424,7 +429,7 @@ def bench(out: Path, model: Path, name: str, concurrency: list[int], new: int) -
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         r = json.loads((out / f).read_text())
         keep = ("output_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms")
-        rows.append({"backend": name, "concurrency": c, "input_len": MAX_LEN - new - 640,
+        rows.append({"backend": name, "concurrency": c, "input_len": input_len,
                      **{k: r.get(k) for k in keep}})
         log(f"  {rows[-1]}")
     return rows
@@ -489,8 +494,10 @@ def main() -> int:
     if "bench" in steps:
         import torch_sm70attn as sa
 
+        # kept: earlier rows of other servers, or of these at another prompt length
+        input_len = bench_input_len(a.bench_new)
         rows = [r for r in res.get("bench", [])
-                if r["backend"] not in a.bench or r.get("input_len", 32000) != MAX_LEN - a.bench_new - 640]
+                if r["backend"] not in a.bench or r.get("input_len", 32000) != input_len]
         for name, backend, kv in (
             ("custom-fp8", "CUSTOM", "fp8_e4m3"),
             ("flash-fp16", "FLASH_ATTN", "auto"),  # the shipped folder: no KV scheme, fp16

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from .transformers import positions, text_config
+from .transformers import PagedE4M3Cache, positions, text_config
 
 
 @dataclasses.dataclass
@@ -373,51 +373,62 @@ def _check_prompts(prompts, vocab: int | None) -> None:
                 f"speculative.serve: prompt {i} is a {type(p).__name__}; prompts are {want} "
                 "(torch.tensor(ids) of a list of ids)"
             )
-        if p.dim() != 1 or p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
+        if p.dim() != 1 or not _is_ids(p):
             raise TypeError(
                 f"speculative.serve: prompt {i} is a {p.dim()}-D {p.dtype} tensor; prompts are {want}"
             )
         if p.numel() == 0:
             raise ValueError(f"speculative.serve: prompt {i} holds no tokens")
-        if vocab is not None and not (0 <= int(p.min()) and int(p.max()) < vocab):
-            raise ValueError(
-                f"speculative.serve: prompt {i} holds token ids outside [0, {vocab}), the "
-                "model's vocab_size (ids of another tokenizer?)"
-            )
+        _check_vocab(p, vocab, f"speculative.serve: prompt {i}")
+
+
+def _is_ids(t: torch.Tensor) -> bool:
+    """An integer tensor (token ids): not floating point, complex or bool."""
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def _check_vocab(ids: torch.Tensor, vocab: int | None, what: str) -> None:
+    """ids (non-empty) within [0, vocab), the model's vocab_size (None: not known)."""
+    if vocab is not None and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+        raise ValueError(
+            f"{what} holds token ids outside [0, {vocab}), the model's vocab_size (ids of "
+            "another tokenizer?)"
+        )
 
 
 def _check_batch(ids, mask, vocab: int | None) -> None:
     """generate's batch: input_ids a [B, T] integer tensor of ids in [0, vocab), T >= 1,
     attention_mask (if given) of its shape, with at least one token a row."""
-    who, want = "speculative.generate", "a [B, T] integer tensor (torch.tensor([ids]) for one request)"
+    who = "speculative.generate"
+    want = "a [B, T] integer tensor (torch.tensor([ids]) for one request)"
     if not torch.is_tensor(ids):
         raise TypeError(f"{who}: input_ids is a {type(ids).__name__}; pass {want}")
     if ids.dim() != 2:
         fix = ": ids[None] for one request" if ids.dim() == 1 else ""
         raise ValueError(f"{who}: input_ids is {ids.dim()}-D {list(ids.shape)}; pass {want}{fix}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if not _is_ids(ids):
         raise TypeError(f"{who}: input_ids is a {ids.dtype} tensor; pass {want}")
     if ids.numel() == 0:
-        raise ValueError(f"{who}: input_ids {list(ids.shape)} holds no tokens; each request needs one")
-    if vocab is not None and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
         raise ValueError(
-            f"{who}: input_ids holds token ids outside [0, {vocab}), the model's vocab_size "
-            "(ids of another tokenizer?)"
+            f"{who}: input_ids {list(ids.shape)} holds no tokens; each request needs one"
         )
+    _check_vocab(ids, vocab, f"{who}: input_ids")
     if mask is None:
         return
     if not torch.is_tensor(mask) or mask.shape != ids.shape:
         got = list(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
-        raise ValueError(f"{who}: attention_mask is {got}, input_ids {list(ids.shape)}: pass one of its shape")
+        raise ValueError(
+            f"{who}: attention_mask is {got}, input_ids {list(ids.shape)}: pass one of its shape"
+        )
     empty = (mask.to("cpu") == 0).all(1).nonzero().flatten().tolist()
     if empty:
-        raise ValueError(f"{who}: attention_mask row {empty[0]} holds no tokens; each request needs one")
+        raise ValueError(
+            f"{who}: attention_mask row {empty[0]} holds no tokens; each request needs one"
+        )
 
 
 def _check_cache(cache, who: str, name: str) -> None:
     """The loops store through a PagedE4M3Cache (its slots, reserve and crop by request)."""
-    from .transformers import PagedE4M3Cache
-
     if not isinstance(cache, PagedE4M3Cache):
         raise TypeError(
             f"{who}: {name} is {type(cache).__name__ if cache is not None else 'None'}; pass an "
