@@ -669,34 +669,37 @@ def prefill_flops(D, G, H_kv, chunk, past) -> float:
     return 4 * D * G * H_kv * (chunk * past + chunk * (chunk + 1) / 2)
 
 
-def prefill_ctas(D, G, H_kv, chunk, past, n) -> list[int]:
-    """KV tiles (of n tokens) of each CTA, in launch order (grid x: tile-major, KV head
-    minor)."""
+def prefill_ctas(D, G, H_kv, chunk, past, n, rows=64) -> list[int]:
+    """KV tiles (of n tokens) of each CTA of `rows` query rows, in launch order (grid x:
+    tile-major, KV head minor)."""
     out = []
-    for t in range(cdiv(chunk * G, 64)):
-        last = min(chunk - 1, ((t + 1) * 64 - 1) // G)  # the tile's last token
+    for t in range(cdiv(chunk * G, rows)):
+        last = min(chunk - 1, ((t + 1) * rows - 1) // G)  # the tile's last token
         out += [cdiv(past + last + 1, n)] * H_kv
     return out
 
 
-def predict_prefill(cell, gpu_name, sass, prm, hmma_latency="hi") -> dict:
-    """Predicted ms, TFLOP/s and bound of one prefill cell (a chunk over a past) on a GPU."""
+def predict_prefill_with(cell, gpu_name, k, W, N, rows, c, prm, hmma_latency="hi", order=1, extra_dram=0):
+    """Predicted ms, TFLOP/s and bound of one prefill cell (a chunk over a past) on a GPU, for a
+    kernel of W warps a CTA, N-token KV tiles and CTAs of `rows` query rows, with its sass.json
+    entry k and latency constant c; order -1: the grid runs the tiles backwards (the last tiles,
+    which see the most, first); extra_dram: DRAM bytes a CTA moves per KV tile besides its K and
+    V tile."""
     gpu = GPUS[gpu_name]
-    arch = gpu["arch"]
-    D, G, H_kv, chunk, past = (cell[k] for k in ("D", "G", "H_kv", "chunk", "past"))
-    k = sass[arch][f"attn-varlen D{D} MB4 VEC16"]
-    W, N = warps(D, 4), tile_tokens(D, 4)
-    occ = occupancy(k["regs"], k["threads"], k["smem"] + VARLEN_SMEM_EXTRA, gpu)
+    D, G, H_kv, chunk, past = (cell[k_] for k_ in ("D", "G", "H_kv", "chunk", "past"))
+    occ = occupancy(k["regs"], k["threads"], k["smem"], gpu)
     w = occ * W / SCHEDULERS
-    cyc = prm[f"c varlen D{D}"] + prm["alpha"] * w
+    cyc = c + prm["alpha"] * w
     terms = tile_terms(k["tile"], k["tile_mix"], gpu, hmma_latency, cyc, w, occ * W)
     t_tile = max(terms.values())
     slots = [0.0] * (gpu["sms"] * occ)
-    for n in prefill_ctas(D, G, H_kv, chunk, past, N):
+    ctas = prefill_ctas(D, G, H_kv, chunk, past, N, rows)
+    for n in ctas[::order]:
         t = heapq.heappop(slots)
         heapq.heappush(slots, t + n * t_tile + k["rest"] * prm["c_rest"])
     t_issue = max(slots) / gpu["clock"] + prm["lat_us"] * 1e-6
-    t_dram = 2 * (past + chunk) * H_kv * D * cdiv(chunk * G, 64) / gpu["bw"]  # K, V per tile
+    # K and V as each CTA reads them (its tiles, no reuse through L2: the pessimistic end)
+    t_dram = sum(ctas) * (2 * N * D + extra_dram) / gpu["bw"]
     total = max(t_issue, t_dram) + prm["gap_us"] * 1e-6
     return dict(
         ms=total * 1e3,
@@ -704,6 +707,119 @@ def predict_prefill(cell, gpu_name, sass, prm, hmma_latency="hi") -> dict:
         limiter=max(terms, key=terms.get) if t_issue >= t_dram else "dram",
         ctas_per_sm=occ,
     )
+
+
+def predict_prefill(cell, gpu_name, sass, prm, hmma_latency="hi") -> dict:
+    """The varlen tile loop's prediction (attn-varlen D MB4: 64-row CTAs, the decode kernel's
+    tiles)."""
+    D = cell["D"]
+    k = dict(sass[GPUS[gpu_name]["arch"]][f"attn-varlen D{D} MB4 VEC16"])
+    k["smem"] += VARLEN_SMEM_EXTRA
+    return predict_prefill_with(cell, gpu_name, k, warps(D, 4), tile_tokens(D, 4), 64, prm[f"c varlen D{D}"],
+                                prm, hmma_latency)  # fmt: skip
+
+
+# --- prefill designs, before one is built ------------------------------------------------------
+# A candidate prefill kernel as the model sees one: the instructions one warp issues per 64-token
+# KV tile by class (sass.json's tile_mix), its CTA (threads, registers, shared memory, query rows)
+# and the bytes it moves through DRAM besides K and V. The mix is counted from the design's tiles
+# (m8n8k4: an mma.sync is 4 HMMA.884 over a 16 x 16 x 4 block of a warp; a 16-byte shared load
+# feeds two k-steps of a row or a key); the fixed costs (the gather's addresses, barriers, the
+# loop) from the built kernel's SASS. Every design is then timed like the kernels that ran
+# (predict_prefill_with: latency, issue, shared memory; the CTAs list-scheduled on 80 SMs), with
+# the latency constant of the kernel that ran at that head dim (c varlen D), so the designs are
+# compared on their instruction mixes and grids.
+GATHER_PER_CHUNK = 21  # kv_tile.h: address, page and flag instructions per 16-byte chunk of a lane
+DESIGNS = ("fused-16w", "fused-8w", "two-product")
+
+
+def design(name: str, D: int) -> dict:
+    """A candidate's per-warp mix of one 64-token tile and its CTA. fused-16w: the prefill kernel
+    built (S and O in registers, P through shared memory, 16 warps of 128 registers); fused-8w:
+    the same loop in 8 warps of 255 registers (QK^T 32 x 32 warp tiles over half of D each at
+    D 256, the two halves added through shared memory); two-product: QK^T and PV as two
+    GEMM-tiled products of 128-row CTAs (8 warps, 32 x 32 and 64 x 64 warp tiles) with S in fp32
+    through a global score workspace (8 bytes a score: written, read back), P formed as PV loads
+    it."""
+    n = 64
+    if name in ("fused-16w", "fused-8w"):
+        W = 16 if name == "fused-16w" else 8
+        rows = 64 if D == 256 else 128
+        if name == "fused-16w":
+            rq, kq, ks = rows // 4, 16, 1  # QK^T warp tile (rows, keys), ways D is split
+        else:
+            rq, kq, ks = 32, 32, 2 if D == 256 else 1
+        rp = 32
+        cp = rows * D // (W * rp)  # PV warp tile columns
+        nr = 2 * rq // 16  # rows a lane holds in S
+        e = rq * kq // 32  # S elements a lane holds
+        part = ks - 1  # fp32 partial S tiles written, read and added
+        lds = (D // ks // 8) * (rq // 16 + kq // 16) + (n // 8) * (rp // 16 + cp // 16) + nr + 4 + part * e // 4
+        chunks = 2 * n * D // (16 * 32 * W)  # 16-byte K and V chunks a lane gathers
+        sts = 2 * n * D * 2 // (W * 512) + e // 2 + part * e // 4
+        mix = dict(
+            tensor=D // ks * rq * kq // 256 + n * rp * cp // 256,
+            lds=lds,
+            sts=sts,
+            ldg=chunks + 1,
+            int=7 * chunks * 4 + GATHER_PER_CHUNK * chunks + e // 2,
+            fp32=4 * e + 6 * nr + part * e,
+            mufu=e,
+            cvt=e,
+            shfl=2 * nr,
+            control=30,
+            move=6,
+        )
+        mix["smem_bytes"] = 512 * (lds - nr - 4) + 16 * (nr + 4) + 512 * (sts - e // 2) + 128 * (e // 2)
+        smem = rows * (D + 8) * 2 + n * (D + 8) * 2 * (1 if D == 256 else 2) + rows * (n + 8) * 2 + rows * 20
+        return dict(mix=mix, threads=32 * W, regs=128 if W == 16 else 255, rows=rows, n=n,
+                    smem=smem + (rows * kq * 4 if part else 0), extra_dram=0)  # fmt: skip
+    if name == "two-product":
+        W, rows = 8, 128
+        e = rows * n // (32 * W)  # S elements a lane stores, reads back and exponentiates
+        chunks = 2 * n * D // (16 * 32 * W)
+        lds = (D // 8) * (2 + 2) + (n // 8) * (4 + 4)
+        sts = 2 * n * D * 2 // (W * 512) + e * 2 // 16
+        mix = dict(
+            tensor=4 * rows * n * D // 512 // W,
+            lds=lds,
+            sts=sts,
+            ldg=chunks + e // 4,
+            stg=e // 4,
+            int=7 * chunks * 4 + GATHER_PER_CHUNK * chunks + e // 2,
+            fp32=3 * e,
+            mufu=e,
+            cvt=e,
+            shfl=8,
+            control=40,
+            move=6,
+        )
+        mix["smem_bytes"] = 512 * (lds + sts)
+        return dict(mix=mix, threads=32 * W, regs=255, rows=rows, n=n,
+                    smem=rows * n * 2 + 2 * 128 * 40 * 2 + n * (D + 8) * 2, extra_dram=rows * n * 8)  # fmt: skip
+    raise KeyError(name)
+
+
+def design_entry(name: str, D: int) -> dict:
+    """design() as a sass.json entry (tile, tile_mix, regs, threads, smem, rest)."""
+    d = design(name, D)
+    return dict(tile=sum(v for k, v in d["mix"].items() if k != "smem_bytes"), tile_mix=d["mix"],
+                regs=d["regs"], threads=d["threads"], smem=d["smem"], rest=600)  # fmt: skip
+
+
+def design_report(prm, cells) -> list[dict]:
+    """Every design of DESIGNS on the V100 at each cell: TFLOP/s (lo .. hi) and the bound."""
+    out = []
+    for c in cells:
+        for name in DESIGNS:
+            d = design(name, c["D"])
+            k = design_entry(name, c["D"])
+            r = {}
+            for h in ("lo", "hi"):
+                r[h] = predict_prefill_with(c, "V100", k, d["threads"] // 32, d["n"], d["rows"],
+                                            prm[f"c varlen D{c['D']}"], prm, h, -1, d["extra_dram"])  # fmt: skip
+            out.append(dict(cell=c, design=name, tile=k["tile"], tensor=k["tile_mix"]["tensor"], **r))
+    return out
 
 
 def load_prefill_runs() -> list[tuple[dict, float, str]]:

@@ -97,6 +97,16 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const __half* ro
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
 }
+
+// Four 8x8 fp16 matrices from shared memory (ldmatrix .x4, SM75+): lane l gives the address of
+// row l % 8 of matrix l / 8 and gets r[j] = (M_j[l / 4][2 (l % 4)], M_j[l / 4][2 (l % 4) + 1]):
+// an m16n8k16 A fragment of a row-major [m][k] tile, or two B fragments of a [n][k] one.
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const __half* row) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
 #else
 // No m16n8k16 before SM80 (the SM70 gate refuses its PTX): callers check the arch first
 // (mma_atom_check in the binding does); reaching this traps.
@@ -106,6 +116,10 @@ __device__ __forceinline__ void mma_atom(MmaM16N8K16, float (&d)[4], const unsig
   __trap();
 }
 __device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const __half*) {
+  for (unsigned& x : r) x = 0u;
+  __trap();
+}
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const __half*) {
   for (unsigned& x : r) x = 0u;
   __trap();
 }

@@ -172,18 +172,6 @@ struct RfOps<MmaM16N8K16> {
   }
 };
 
-// 2^x for the softmax's P (x <= 0): the MUFU instruction alone, subnormal results flushed to 0
-// (exp2f adds its range handling: 24 instructions a tile). The CPU emulator takes exp2f.
-__device__ __forceinline__ float ex2_approx(float x) {
-#if defined(__CUDACC__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return x < -126.f ? 0.f : exp2f(x);
-#endif
-}
-
 template <class KT, class Atom>
 __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     paged_attention_rf_kernel(const PagedAttnParams p) {

@@ -77,6 +77,9 @@ struct PagedAttnParams {
   int split_cap, split_tokens, split_q, split_target, units;
   int* unit_head;  // [units][4]: first token, tokens (0: unused), splits, request
   FastDiv div_g;   // divisor G
+  // The prefill kernel's share of a varlen step (prefill.cuh, varlen_scan): requests of more than
+  // pf_min_q tokens (the padding request too), split by its own target of CTAs.
+  int pf_min_q, pf_split_target;
 };
 
 struct StoreKVParams {

@@ -51,6 +51,13 @@
   X(256, 4, 16) X(256, 4, 8)
 #define SM70ATTN_COMBINE_VARLEN_KERNELS(X) X(64) X(128) X(256)
 
+// The prefill kernel of paged_attention_varlen (prefill.cuh): X(D, VEC), each built on the MMA
+// atom of the arch (m8n8k4 on SM70, m16n8k16 on SM80+).
+#define SM70ATTN_PREFILL_KERNELS(X) \
+  X(64, 16) X(64, 8) \
+  X(128, 16) X(128, 8) \
+  X(256, 16) X(256, 8)
+
 #ifndef __CUDACC_RTC__
 namespace sm70attn {
 

@@ -59,6 +59,18 @@ __device__ __forceinline__ int reg_again() {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// 2^x for a softmax's P (x <= 0): the MUFU instruction alone, subnormal results flushed to 0
+// (exp2f adds its range handling: 24 instructions a tile). The CPU emulator takes exp2f.
+__device__ __forceinline__ float ex2_approx(float x) {
+#if defined(__CUDACC__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return x < -126.f ? 0.f : exp2f(x);
+#endif
+}
+
 __device__ __forceinline__ unsigned pack_half2(float a, float b) {
   return (unsigned)__half_as_ushort(__float2half_rn(a)) |
          ((unsigned)__half_as_ushort(__float2half_rn(b)) << 16);

@@ -71,6 +71,20 @@ inline void ldsm_x4_trans(unsigned (&r)[4], const __half* row) {
     r[j] = (unsigned)el(j, 2 * (lane % 4), lane / 4) | (unsigned)el(j, 2 * (lane % 4) + 1, lane / 4) << 16;
   __syncwarp();
 }
+// ldmatrix .x4 (not transposed): lane l passes row l % 8 of matrix l / 8 and gets
+// r[j] = (M_j[l / 4][2 (l % 4)], M_j[l / 4][2 (l % 4) + 1]).
+inline void ldsm_x4(unsigned (&r)[4], const __half* row) {
+  const int t = emu::cur, lane = t & 31, base = t - lane;
+  if ((int)emu::block_dim.x < base + 32) { fprintf(stderr, "ldsm_x4: needs a whole warp\n"); abort(); }
+  if (reinterpret_cast<uintptr_t>(row) % 16) { fprintf(stderr, "ldsm_x4: row not 16-byte aligned\n"); abort(); }
+  if ((int)emu::ldsm_rows.size() < (int)emu::block_dim.x) emu::ldsm_rows.resize(emu::block_dim.x);
+  emu::ldsm_rows[t] = row;
+  __syncwarp();
+  auto el = [&](int j, int rr, int col) { return __half_as_ushort(emu::ldsm_rows[base + 8 * j + rr][col]); };
+  for (int j = 0; j < 4; ++j)
+    r[j] = (unsigned)el(j, lane / 4, 2 * (lane % 4)) | (unsigned)el(j, lane / 4, 2 * (lane % 4) + 1) << 16;
+  __syncwarp();
+}
 inline void mma_atom(MmaM16N8K16, float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
   emu_mma_atom<MmaM16N8K16>(d, a, b, c);
 }

@@ -15,3 +15,4 @@ template <class KT, class At> void launch_attn_rf(dim3 grid, const sm70attn::Pag
 template <class CT> void launch_combine(dim3 grid, const sm70attn::PagedAttnParams& a);
 template <class KT> void launch_varlen(dim3 grid, const sm70attn::PagedAttnParams& a);
 template <class CT> void launch_combine_varlen(dim3 grid, const sm70attn::PagedAttnParams& a);
+template <class PT, class At> void launch_prefill(dim3 grid, const sm70attn::PagedAttnParams& a);

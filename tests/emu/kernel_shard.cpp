@@ -7,6 +7,7 @@
 #include "sm70attn/paged_attention.cuh"
 #include "sm70attn/paged_attention_rf.cuh"
 #include "sm70attn/varlen.cuh"
+#include "sm70attn/prefill.cuh"
 
 #ifndef EMU_SHARDS
 #define EMU_SHARDS 1
@@ -53,6 +54,12 @@ void launch_combine_varlen(dim3 grid, const PagedAttnParams& a) {
   launch(grid, CT::THREADS, [&] { combine_varlen_kernel<CT>(a); });
 }
 
+template <class PT, class At>
+void launch_prefill(dim3 grid, const PagedAttnParams& a) {
+  static_assert(PT::SMEM_BYTES <= sizeof(smem), "");
+  launch(grid, PT::THREADS, [&] { prefill_kernel<PT, At>(a); });
+}
+
 // Instantiating Shard<T, true> compiles the launcher of T; Shard<T, false> compiles nothing.
 template <class T, bool mine>
 struct Shard {
@@ -82,6 +89,15 @@ template <int D>
 struct Shard<CombineVarlenTraits<D>, true> {
   static void* launcher() { return (void*)&launch_combine_varlen<CombineVarlenTraits<D>>; }
 };
+template <class PT, class At>
+struct PrefillKernel {};  // the prefill kernel: traits and MMA atom
+template <class PT, class At>
+struct Shard<PrefillKernel<PT, At>, true> {
+  static void* launcher() { return (void*)&launch_prefill<PT, At>; }
+};
+#define EMU_PREFILL(D, VEC)                                                                                          \
+  template struct Shard<PrefillKernel<PrefillTraits<D, VEC>, MmaM8N8K4>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>; \
+  template struct Shard<PrefillKernel<PrefillTraits<D, VEC>, MmaM16N8K16>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
 #define EMU_VARLEN(D, MB, VEC) \
   template struct Shard<VarlenKernel<AttnTraits<D, MB, VEC>>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
 #define EMU_COMBINE_VARLEN(D) template struct Shard<CombineVarlenTraits<D>, __COUNTER__ % EMU_SHARDS == EMU_SHARD>;
@@ -95,3 +111,4 @@ SM70ATTN_RF_KERNELS(EMU_ATTN_RF)
 SM70ATTN_COMBINE_KERNELS(EMU_COMBINE)
 SM70ATTN_VARLEN_KERNELS(EMU_VARLEN)
 SM70ATTN_COMBINE_VARLEN_KERNELS(EMU_COMBINE_VARLEN)
+SM70ATTN_PREFILL_KERNELS(EMU_PREFILL)

@@ -13,6 +13,7 @@
 #include "sm70attn/store_kv.cuh"
 #include "emu_atoms.h"
 #include "sm70attn/mma_check.cuh"
+#include "sm70attn/prefill.cuh"
 namespace sm70attn { alignas(128) unsigned char smem[100 * 1024]; }
 
 using namespace sm70attn;
@@ -245,7 +246,21 @@ std::vector<double> varlen_reference(const Problem& p, const Varlen& v) {
   return out;
 }
 
-std::vector<unsigned short> run_varlen(Problem& p, Varlen& v, int num_sms, int split_tokens, int* units_used) {
+// Which kernel run_varlen launches: varlen.cuh's tile loop, or the prefill kernel (on each atom)
+// for every request with tokens.
+enum VarlenKernelSel { VL_TILES, VL_PREFILL_M8N8K4, VL_PREFILL_M16N8K16 };
+
+template <class At>
+bool prefill_switch(int d, int vec, dim3 grid, const PagedAttnParams& a) {
+#define PF_CASE(D_, VEC_) \
+  if (d == D_ && vec == VEC_) return launch_prefill<PrefillTraits<D_, VEC_>, At>(grid, a), true;
+  SM70ATTN_PREFILL_KERNELS(PF_CASE)
+#undef PF_CASE
+  return false;
+}
+
+std::vector<unsigned short> run_varlen(Problem& p, Varlen& v, int num_sms, int split_tokens, int* units_used,
+                                       VarlenKernelSel sel = VL_TILES) {
   const i64 cap = (i64)p.max_pages * p.page_size;
   VarlenPlan plan = plan_paged_attention_varlen(v.T, p.B, p.H_q, p.H_kv, p.D, cap, num_sms, 1);
   if (split_tokens > 0) {  // the rule with small numbers (workspace re-sized as the plan sizes it)
@@ -282,9 +297,17 @@ std::vector<unsigned short> run_varlen(Problem& p, Varlen& v, int num_sms, int s
   for (int i = 0; i < 4 * plan.units; ++i) a.unit_head[i] = 0;
   set_divisors(a);
   const int vec = (p.k_off % 16 == 0 && p.v_off % 16 == 0 && p.s_page % 16 == 0 && p.s_tok % 16 == 0 && p.s_head % 16 == 0) ? 16 : 8;
-  if (!varlen_switch(p.D, varlen_row_blocks(), vec, [&](auto kt) {
-        launch_varlen<decltype(kt)>(dim3((unsigned)(plan.tiles * p.H_kv), plan.split_cap), a);
-      })) abort();
+  a.pf_min_q = 0, a.pf_split_target = plan.split_target;
+  if (sel == VL_TILES) {
+    if (!varlen_switch(p.D, varlen_row_blocks(), vec, [&](auto kt) {
+          launch_varlen<decltype(kt)>(dim3((unsigned)(plan.tiles * p.H_kv), plan.split_cap), a);
+        })) abort();
+  } else {
+    const i64 rows = prefill_rows(p.D), tiles = ((i64)v.T * a.G + rows - 1) / rows + p.B + 1;
+    const dim3 grid((unsigned)(tiles * p.H_kv), plan.split_cap);
+    if (!(sel == VL_PREFILL_M8N8K4 ? prefill_switch<MmaM8N8K4>(p.D, vec, grid, a)
+                                   : prefill_switch<MmaM16N8K16>(p.D, vec, grid, a))) abort();
+  }
   int used = 0;
   for (int u = 0; u < plan.units; ++u) used += a.unit_head[4 * u + 1] > 0;
   if (units_used) *units_used = used;
@@ -293,9 +316,10 @@ std::vector<unsigned short> run_varlen(Problem& p, Varlen& v, int num_sms, int s
   return out;
 }
 
-void check_varlen(const char* name, Problem& p, Varlen& v, int num_sms, int split_tokens = 0, int want_units = -1) {
+void check_varlen(const char* name, Problem& p, Varlen& v, int num_sms, int split_tokens = 0, int want_units = -1,
+                  VarlenKernelSel sel = VL_TILES) {
   int units = 0;
-  auto out = run_varlen(p, v, num_sms, split_tokens, &units);
+  auto out = run_varlen(p, v, num_sms, split_tokens, &units, sel);
   auto ref = varlen_reference(p, v);
   double max_err = 0, max_ref = 0, worst = 0;
   bool nan = false, zero_ok = true;
@@ -419,6 +443,44 @@ int main(int argc, char** argv) {
       p.seq_lens = {420};
       Varlen v = make_varlen(p, {0, 150}, 150);
       check_varlen("varlen long chunk G6", p, v, 4);
+    }
+  }
+  if (want("prefill")) {  // the prefill kernel on each atom: varlen's problems, and longer ones whose
+    // tiles are whole (the unmasked main loop) before the diagonal
+    const char* atom_names[] = {"", "m8n8k4", "m16n8k16"};
+    for (VarlenKernelSel sel : {VL_PREFILL_M8N8K4, VL_PREFILL_M16N8K16}) {
+      for (int D : {64, 128, 256})
+        for (int G : {1, 6}) {
+          const int H_kv = D == 256 ? 1 : 2;
+          Problem p = make(5, G * H_kv, H_kv, 1, D, 16, 60, 14, 0, true);
+          p.seq_lens = {40, 105, 9, 23, 200};
+          Varlen v = make_varlen(p, {0, 1, 9, 9, 32, 44}, 47);  // 1, 8, 0, 23 (whole), 12 over 188; 3 pad
+          char name[80];
+          snprintf(name, sizeof name, "prefill %s D%d G%d", atom_names[sel], D, G);
+          check_varlen(name, p, v, 4, 0, -1, sel);
+          snprintf(name, sizeof name, "prefill %s D%d G%d split", atom_names[sel], D, G);
+          check_varlen(name, p, v, 4, 32, -1, sel);
+        }
+      for (int D : {128, 256}) {  // chunks over pasts of several whole tiles, G 4 and 6, page 37 (tiles straddle pages)
+        const int G = D == 256 ? 6 : 4;
+        Problem p = make(2, 2 * G, 2, 1, D, 37, 30, 12, 0, true);
+        p.seq_lens = {400, 250};
+        Varlen v = make_varlen(p, {0, 70, 100}, 103);  // 70 over 330, 30 over 220; 3 pad
+        char name[80];
+        snprintf(name, sizeof name, "prefill %s D%d G%d long", atom_names[sel], D, G);
+        check_varlen(name, p, v, 4, 0, -1, sel);
+      }
+      {  // bad metadata, interleaved 8-byte aligned K/V (VEC 8), page 7
+        Problem p = make(5, 8, 2, 1, 64, 7, 40, 9, 1, true);
+        p.seq_lens = {3, 70, -5, 1000, 30};
+        p.block_table[1 * 9 + 2] = -7, p.block_table[4 * 9 + 1] = 99;
+        Varlen v = make_varlen(p, {5, 9, 4, 20, 12, 60}, 30);
+        char name[80];
+        snprintf(name, sizeof name, "prefill %s bad metadata", atom_names[sel]);
+        check_varlen(name, p, v, 4, 0, -1, sel);
+        snprintf(name, sizeof name, "prefill %s bad metadata split", atom_names[sel]);
+        check_varlen(name, p, v, 4, 16, -1, sel);
+      }
     }
   }
   if (want("decode")) {  // D128 G4 Q1, random lengths incl. 0 and > capacity
