@@ -50,6 +50,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               TORCH_CHECK(sm70attn::varlen_switch(d, sm70attn::varlen_row_blocks(), vec, [](auto) {}) &&
                               sm70attn::combine_varlen_switch(d, [](auto) {}),
                           msg("torch_sm70attn: no paged_attention_varlen kernels for head dim ", d));
+            for (int vec : {8, 16})
+              TORCH_CHECK(sm70attn::prefill_switch(d, vec, [](auto) {}),
+                          msg("torch_sm70attn: no prefill kernel for head dim ", d));
             for (int splits : {1, 16, 64, sm70attn::attn_max_splits()})
               TORCH_CHECK(sm70attn::combine_switch(d, splits, [](auto) {}),
                           msg("torch_sm70attn: no combine kernel for head dim ", d));
@@ -101,6 +104,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(D = 256 with 17-48 rows per CTA): 'wmma', 'rf-m8n8k4', 'rf-m16n8k16' (SM80+) or 'auto' (the default, "
         "sm70attn::attn_default_kind: rf-m8n8k4 on a V100, SM 7.0, for CTAs of 17-32 rows from 64K tokens of "
         "capacity and of 33-48 rows from 128K, else wmma); set it while no other thread launches",
+        pybind11::arg("kind"));
+  m.def("set_prefill_override", [](const std::string& kind) {
+          const char* names[] = {"off", "m8n8k4", "m16n8k16"};
+          int k = kind == "auto" ? -1 : -2;
+          for (int i = 0; i < 3; ++i)
+            if (kind == names[i]) k = i;
+          TORCH_CHECK_VALUE(k != -2, msg("set_prefill_override: kind must be auto, off, m8n8k4 or m16n8k16, got '", kind,
+                                         "'"));
+          if (k == sm70attn::PREFILL_M16N8K16) {  // (checked again at each call, on its device)
+            const int device = c10::cuda::current_device();
+            const int cc = device_info(device).cc;
+            TORCH_CHECK_VALUE(cc >= 80, msg("set_prefill_override: 'm16n8k16' needs SM80 or newer, the current device ",
+                                            device, " is SM", cc));
+          }
+          g_prefill.store(k);
+        },
+        "tests and A/B runs only: the prefill kernel paged_attention_varlen runs for requests of more than 16 "
+        "tokens: 'm8n8k4', 'm16n8k16' (SM80+), 'off' (the varlen tile loop takes every request, as before the "
+        "prefill kernel) or 'auto' (the default: m16n8k16 on SM80+, m8n8k4 below); set it while no other thread "
+        "launches",
         pybind11::arg("kind"));
   m.def("plan", [](int64_t B, int64_t H_q, int64_t H_kv, int64_t Q, int64_t D, int64_t capacity, int vec, int device) {
           TORCH_CHECK_VALUE(B >= 1 && H_kv >= 1 && H_q >= H_kv && H_q % H_kv == 0 && in_mask(g_bounds.group_mask, H_q / H_kv) &&

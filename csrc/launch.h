@@ -60,6 +60,27 @@ struct VarlenKernel {
   static KernelKey key() { return {"attn-varlen", {KT::D, KT::MB, KT::VEC}, 3}; }
 };
 
+// The prefill kernel (prefill.cuh) on its MMA atom: m8n8k4 (SM70's) or m16n8k16 (SM80+).
+enum PrefillKind : int { PREFILL_OFF = 0, PREFILL_M8N8K4 = 1, PREFILL_M16N8K16 = 2 };
+
+template <class PT, int KIND>
+struct PrefillKernel {
+  static constexpr int THREADS = PT::THREADS, SMEM = PT::SMEM_BYTES;
+  static KernelKey key() { return {KIND == PREFILL_M8N8K4 ? "prefill-m8n8k4" : "prefill-m16n8k16", {PT::D, PT::VEC, 0}, 2}; }
+};
+
+// Calls f(K{}) for the (kind, D, vec) prefill kernel; false when none is built.
+template <class F>
+inline bool prefill_kernel(int kind, int d, int vec, F&& f) {
+  if (kind != PREFILL_M8N8K4 && kind != PREFILL_M16N8K16) return false;
+  return prefill_switch(d, vec, [&](auto pt) {
+    if (kind == PREFILL_M8N8K4)
+      f(PrefillKernel<decltype(pt), PREFILL_M8N8K4>{});
+    else
+      f(PrefillKernel<decltype(pt), PREFILL_M16N8K16>{});
+  });
+}
+
 template <class CT>
 struct CombineVarlenKernel {
   static constexpr int THREADS = CT::THREADS, SMEM = CT::SMEM_BYTES;
@@ -182,10 +203,11 @@ inline int attn_ctas_per_sm(const Launcher& l, int kind, int d, int mb, int vec,
 }
 
 // paged_attention_varlen (plan: plan_paged_attention_varlen, its fields in p): the tile loop over
-// tiles x H_kv CTAs and split_cap splits, then the combine of the split units. The unit heads
-// must be zero (no unit used) before the launch.
+// tiles x H_kv CTAs and split_cap splits, the prefill kernel of kind `prefill` (PREFILL_OFF: none,
+// the tile loop takes every request) over pf_tiles x H_kv CTAs, then the combine of the split
+// units. The unit heads must be zero (no unit used) before the launch.
 inline CUresult launch_paged_attention_varlen(const Launcher& l, const PagedAttnParams& params, const VarlenPlan& plan,
-                                              int vec) {
+                                              int vec, int prefill = PREFILL_OFF) {
   PagedAttnParams p = params;
   set_divisors(p);
   CUresult err = CUDA_ERROR_INVALID_VALUE;
@@ -193,6 +215,13 @@ inline CUresult launch_paged_attention_varlen(const Launcher& l, const PagedAttn
     using K = VarlenKernel<decltype(kt)>;
     err = launch<K>(l, (unsigned)(plan.tiles * p.H_kv), (unsigned)p.split_cap, K::SMEM, p);
   });
+  if (err == CUDA_SUCCESS && prefill != PREFILL_OFF) {
+    err = CUDA_ERROR_INVALID_VALUE;
+    prefill_kernel(prefill, p.D, vec, [&](auto k) {
+      using K = decltype(k);
+      err = launch<K>(l, (unsigned)(plan.pf_tiles * p.H_kv), (unsigned)p.split_cap, K::SMEM, p);
+    });
+  }
   if (err != CUDA_SUCCESS || p.units == 0) return err;
   err = CUDA_ERROR_INVALID_VALUE;
   combine_varlen_switch(p.D, [&](auto ct) { err = launch<CombineVarlenKernel<decltype(ct)>>(l, (unsigned)p.units, 1, 0, p); });
@@ -204,6 +233,18 @@ inline int varlen_ctas_per_sm(const Launcher& l, int d, int vec) {
   int n = 0;
   varlen_switch(d, varlen_row_blocks(), vec, [&](auto kt) {
     using K = VarlenKernel<decltype(kt)>;
+    CUfunction f = nullptr;
+    if (function<K>(l, &f) != CUDA_SUCCESS || l.drv->occupancy(&n, f, K::THREADS, (size_t)K::SMEM) != CUDA_SUCCESS)
+      n = 0;
+  });
+  return n;
+}
+
+// Resident CTAs per SM of the (kind, D, vec) prefill kernel (as attn_ctas_per_sm).
+inline int prefill_ctas_per_sm(const Launcher& l, int kind, int d, int vec) {
+  int n = 0;
+  prefill_kernel(kind, d, vec, [&](auto k) {
+    using K = decltype(k);
     CUfunction f = nullptr;
     if (function<K>(l, &f) != CUDA_SUCCESS || l.drv->occupancy(&n, f, K::THREADS, (size_t)K::SMEM) != CUDA_SUCCESS)
       n = 0;

@@ -28,7 +28,7 @@ needs_nvrtc = pytest.mark.skipif(not have_nvrtc(), reason="no CUDA 12 NVRTC (the
 def test_every_listed_kernel_has_one_name_and_the_manifest_its_kernels():
     ks = nvrtc.kernels()
     names = [k.name for k in ks]
-    assert len(names) == len(set(names)) == 70
+    assert len(names) == len(set(names)) == 82
     assert len({k.expr for k in ks}) == len(ks)
     # what the binding checks at load (init): every admitted head dim has its attention kernels
     # for 1..MB rows blocks in both load widths, and its combine kernels
@@ -47,6 +47,9 @@ def test_every_listed_kernel_has_one_name_and_the_manifest_its_kernels():
         varlen = {k.params for k in ks if k.family == "attn-varlen" and k.params[0] == d}
         assert varlen == {(d, 4, 8), (d, 4, 16)}, (d, varlen)
         assert nvrtc.Kernel("combine-varlen", (d,)) in ks
+        # and its prefill kernel on both atoms (m16n8k16: SM80+; a trap before), both widths
+        pf = {(k.family, k.params) for k in ks if k.family.startswith("prefill") and k.params[0] == d}
+        assert pf == {(f"prefill-{a}", (d, v)) for a in ("m8n8k4", "m16n8k16") for v in (8, 16)}, pf
     assert nvrtc.Kernel("attn", (256, 3, 16)).expr == (
         "sm70attn::paged_attention_kernel<sm70attn::AttnTraits<256, 3, 16>>"
     )

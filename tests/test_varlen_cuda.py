@@ -2,7 +2,9 @@
 one call holding decodes, verifies, chunks over a past, whole prompts, empty requests and
 padding tokens; short chunks over long pasts that split), and its contracts: a request's bits
 alone and in any batch, CUDA-graph replay with new metadata, metadata of any values (no read or
-write out of bounds: the clamped semantics of csrc/sm70attn/varlen.h), T = 0 and B = 0.
+write out of bounds: the clamped semantics of csrc/sm70attn/varlen.h), T = 0 and B = 0. The
+prefill kernel (csrc/sm70attn/prefill.cuh: requests of more than 16 tokens) on each MMA atom
+(set_prefill_override; m16n8k16 on SM80+), and with it off (the tile loop takes every request).
 
 Error rule (test_cuda.py's): at most twice the FP32 reference's error (reference.py, the same
 dequantized values) plus 1e-5. The output's memory is poisoned (NaN) before each call: the op
@@ -19,6 +21,25 @@ from torch_sm70attn import reference, routes
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
 MIXED = dict(q_lens=(1, 5, 40, 0, 19, 300, 16, 17), pasts=(30, 7, 0, 12, 100, 20, 900, 3000))
+
+
+# The prefill kernel's kinds a test runs: the default ("auto"), each atom, and none ("off").
+KINDS = ["auto", "m8n8k4", "m16n8k16", "off"]
+
+
+@pytest.fixture
+def prefill():
+    """set_prefill_override for one test, back to auto after it whatever happens; m16n8k16 is
+    skipped below SM80."""
+    mod = sa.ops.load_cuda_kernels()
+
+    def use(kind):
+        if kind == "m16n8k16" and torch.cuda.get_device_capability() < (8, 0):
+            pytest.skip("m16n8k16 needs SM80 or newer")
+        mod.set_prefill_override(kind)
+
+    yield use
+    mod.set_prefill_override("auto")
 
 
 def poisoned_call(p):
@@ -43,9 +64,47 @@ def check(record, case, p):
 
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("G", [1, 4, 6, 8])
-def test_mixed_requests_against_the_oracle(record, D, G):
+@pytest.mark.parametrize("kind", KINDS)
+def test_mixed_requests_against_the_oracle(record, prefill, D, G, kind):
+    prefill(kind)
     p = make_varlen_problem(**MIXED, G=G, D=D, H_kv=2, page_size=16, device=DEV, seed=D + G)
-    check(record, f"mixed D{D} G{G}", p)
+    check(record, f"mixed D{D} G{G} {kind}", p)
+
+
+@pytest.mark.parametrize("kind", ["m8n8k4", "m16n8k16"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("vec, page_size", [(16, 37), (8, 16), (16, 1648)])
+def test_every_prefill_kernel_against_the_oracle(record, prefill, kind, D, vec, page_size):
+    """Each (D, VEC) of each atom: whole prompts, chunks over pasts of several tiles (the
+    unmasked main loop, then the diagonal), page sizes that split the 64-token tiles (37),
+    caches only 8-byte aligned (VEC 8), a decode and a verify beside them."""
+    prefill(kind)
+    p = make_varlen_problem(
+        q_lens=(17, 1, 130, 8, 64, 333), pasts=(0, 500, 700, 40, 1000, 211), G=6 if D == 256 else 4,
+        D=D, H_kv=2, page_size=page_size, layout="padded" if vec == 8 else "separate", device=DEV,
+        seed=D + vec,
+    )  # fmt: skip
+    check(record, f"prefill {kind} D{D} VEC{vec} page {page_size}", p)
+
+
+@pytest.mark.parametrize("kind", ["m8n8k4", "m16n8k16"])
+@pytest.mark.parametrize("D, G, H_kv, page_size", [(256, 6, 1, 1648), (128, 4, 2, 16)])
+def test_prefill_chunks_over_pasts_of_100k(record, prefill, kind, D, G, H_kv, page_size):
+    prefill(kind)
+    p = make_varlen_problem(q_lens=(40, 300), pasts=(100_000, 120_000), G=G, D=D, H_kv=H_kv,
+                            page_size=page_size, device=DEV, seed=3)  # fmt: skip
+    check(record, f"prefill {kind} over 100K D{D} page {page_size}", p)
+
+
+def test_steps_without_long_requests_are_the_tile_loops_bits(prefill):
+    """Decodes and verifies (at most 16 tokens a request) stay on the tile loop: the same bits
+    with the prefill kernel on or off."""
+    p = make_varlen_problem(q_lens=(1, 16, 8, 0, 3), pasts=(3000, 20, 900, 5, 17), G=6, D=256,
+                            H_kv=1, device=DEV)  # fmt: skip
+    prefill("off")
+    off = poisoned_call(p)
+    prefill("auto")
+    assert torch.equal(poisoned_call(p), off)
 
 
 @pytest.mark.parametrize("D, G, H_kv", [(256, 6, 4), (128, 4, 8), (64, 8, 1)])
@@ -60,7 +119,9 @@ def test_short_chunks_over_long_pasts_split(record, D, G, H_kv, page_size):
     check(record, f"split D{D} G{G} page {page_size}", p)
 
 
-def test_a_request_alone_and_in_a_batch_is_the_same_bits():
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_request_alone_and_in_a_batch_is_the_same_bits(prefill, kind):
+    prefill(kind)
     p = make_varlen_problem(**MIXED, G=6, D=256, H_kv=1, device=DEV)
     out = poisoned_call(p)
     qsl = p["query_start_loc"].tolist()
@@ -74,16 +135,19 @@ def test_a_request_alone_and_in_a_batch_is_the_same_bits():
         assert torch.equal(poisoned_call(one), out[s:e]), b
 
 
-def test_cuda_graph_replay_equals_eager_with_new_metadata():
-    """One capture at T tokens; replays with other splits of them into requests and other
-    lengths give the eager call's bits."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_graph_replay_equals_eager_with_new_metadata(prefill, kind):
+    """One capture at T tokens; replays with other splits of them into requests (short ones and
+    long ones: each kernel's share changes) and other lengths give the eager call's bits."""
+    prefill(kind)
     p = make_varlen_problem(q_lens=(4, 60, 1), pasts=(3000, 10, 5000), G=4, D=128, device=DEV)
     static = {k: v.clone() if torch.is_tensor(v) else v for k, v in p.items()}
     torch.ops.sm70attn.paged_attention_varlen(*varlen_args(static))  # kernels loaded
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = torch.ops.sm70attn.paged_attention_varlen(*varlen_args(static))
-    for qsl, lens in (([0, 4, 64, 65], [3004, 70, 5001]), ([0, 30, 31, 60], [31, 4000, 90])):
+    for qsl, lens in (([0, 4, 64, 65], [3004, 70, 5001]), ([0, 30, 31, 60], [31, 4000, 90]),
+                      ([0, 1, 2, 3], [9000, 1, 65])):  # fmt: skip
         static["query_start_loc"].copy_(torch.tensor(qsl, dtype=torch.int32))
         static["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))
@@ -111,7 +175,9 @@ def normalized(p):
         ([0, 30, 30, 30, 30, 30], [1, 2, 3, 4, 5]),  # q > seq_len: the first rows see nothing
     ],
 )
-def test_metadata_of_any_values_reads_and_writes_in_bounds(qsl, lens):
+@pytest.mark.parametrize("kind", KINDS)
+def test_metadata_of_any_values_reads_and_writes_in_bounds(prefill, kind, qsl, lens):
+    prefill(kind)
     p = make_varlen_problem(q_lens=(9, 0, 11, 0, 10), pasts=(1, 2, 3, 4, 5), G=4, D=64,
                             pad_tokens=0, device=DEV)  # fmt: skip
     p["query_start_loc"] = torch.tensor(qsl, dtype=torch.int32, device=DEV)

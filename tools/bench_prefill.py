@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Prefill over the paged E4M3 cache: torch_sm70attn.paged_attention_varlen against the route it
-replaced (`dequantized_sdpa`, both engines' prefill until then: gather the request's pages,
-dequantize to float16, repeat the KV heads, masked SDPA) and against torch's float16 SDPA over contiguous K/V with a lower-right causal mask
-(no gather, no dequantize: the GPU's float16 reference). One request a cell: a chunk of `chunk`
-new tokens over `past` tokens already in the cache.
+"""Prefill over the paged E4M3 cache: torch_sm70attn.paged_attention_varlen ("ours": its prefill
+kernel, csrc/sm70attn/prefill.cuh) against the same op with the prefill kernel off ("tile_loop":
+varlen.cuh's tile loop, the op before the prefill kernel), against the route the op replaced
+(`dequantized_sdpa`, JSON key "today": gather the request's pages, dequantize to float16, repeat
+the KV heads, masked SDPA) and against torch's float16 SDPA over contiguous K/V with a
+lower-right causal mask (no gather, no dequantize: the GPU's float16 reference). One request a
+cell: a chunk of `chunk` new tokens over `past` tokens already in the cache.
 
     python tools/bench_prefill.py --json prefill.json          # the grid, on a GPU
     python tools/bench_prefill.py --smoke                      # a few small cells
@@ -82,10 +84,22 @@ def cell(D, G, H_kv, page, chunk, past, reps, dev):
     from torch.nn.attention.bias import causal_lower_right
 
     mask = causal_lower_right(chunk, L)
+
+    def op(prefill):
+        def run():
+            lib.set_prefill_override(prefill)
+            try:
+                return sa.paged_attention_varlen(q, kc, vc, table, qsl, lens, scale=scale,
+                                                 k_scale=ks, v_scale=vs)  # fmt: skip
+            finally:
+                lib.set_prefill_override("auto")
+
+        return run
+
+    lib = sa.ops.load_cuda_kernels()
     impls = {
-        "ours": lambda: sa.paged_attention_varlen(
-            q, kc, vc, table, qsl, lens, scale=scale, k_scale=ks, v_scale=vs
-        ),
+        "ours": op("auto"),
+        "tile_loop": op("off"),
         "today": lambda: dequantized_sdpa(q4, kc, vc, table, lens, scale, ks, vs, fresh=past == 0),
         "sdpa_fp16": lambda: F.scaled_dot_product_attention(
             q4, k16, v16, attn_mask=mask if past else None, is_causal=not past, scale=scale
@@ -95,6 +109,8 @@ def cell(D, G, H_kv, page, chunk, past, reps, dev):
     ours = impls["ours"]()
     today = impls["today"]()[0].transpose(0, 1)
     err = ((ours.double() - today.double()).norm() / today.double().norm()).item()
+    tl = impls["tile_loop"]()
+    err_tl = ((ours.double() - tl.double()).norm() / tl.double().norm()).item()
     for name, fn in impls.items():  # memory on top of the inputs, one call each
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -117,7 +133,7 @@ def cell(D, G, H_kv, page, chunk, past, reps, dev):
         ms = statistics.median(times[name])
         res[name].update(ms=ms, tflops=flops / ms / 1e9)
     return {"cell": dict(D=D, G=G, H_kv=H_kv, chunk=chunk, past=past, page=page),
-            "rel_err_vs_today": err, **res}  # fmt: skip
+            "rel_err_vs_today": err, "rel_err_vs_tile_loop": err_tl, **res}  # fmt: skip
 
 
 def timed(impls, reps):
@@ -186,9 +202,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     grid = SMOKE if args.smoke else GRID
     rows = []
-    print("| D | G | H_kv | page | chunk | past | ours ms | TFLOP/s | MB | today ms | MB | "
-          "fp16 SDPA ms | TFLOP/s | ours / SDPA | err |")  # fmt: skip
-    print("|---" * 15 + "|")
+    print("| D | G | H_kv | page | chunk | past | ours ms | TFLOP/s | MB | tile loop ms | TFLOP/s | "
+          "dequantized ms | MB | fp16 SDPA ms | TFLOP/s | ours / SDPA | ours / tile loop | err |")  # fmt: skip
+    print("|---" * 18 + "|")
     cells = [(*sh, c, p) for sh in grid["shapes"] for c in grid["chunks"] for p in grid["pasts"]]
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     mixed = []
@@ -216,11 +232,12 @@ def main(argv=None):
         reps = max(2, args.reps if chunk * (past + chunk) < 2**31 else args.reps // 2)
         r = cell(D, G, H_kv, page, chunk, past, reps, "cuda")
         rows.append(r)
-        o, t, s = r["ours"], r["today"], r["sdpa_fp16"]
+        o, tl, t, s = r["ours"], r["tile_loop"], r["today"], r["sdpa_fp16"]
         print(f"| {D} | {G} | {H_kv} | {page} | {chunk} | {past} | {o['ms']:.3f} | "
-              f"{o['tflops']:.0f} | {o['extra_mb']:.0f} | {t['ms']:.3f} | {t['extra_mb']:.0f} | "
-              f"{s['ms']:.3f} | {s['tflops']:.0f} | {o['ms'] / s['ms']:.2f} | "
-              f"{r['rel_err_vs_today']:.1e} |", flush=True)  # fmt: skip
+              f"{o['tflops']:.0f} | {o['extra_mb']:.0f} | {tl['ms']:.3f} | {tl['tflops']:.0f} | "
+              f"{t['ms']:.3f} | {t['extra_mb']:.0f} | {s['ms']:.3f} | {s['tflops']:.0f} | "
+              f"{o['ms'] / s['ms']:.2f} | {o['ms'] / tl['ms']:.2f} | {r['rel_err_vs_today']:.1e} |",
+              flush=True)  # fmt: skip
         torch.cuda.empty_cache()
         save()
 

@@ -15,7 +15,7 @@ seeded random valid calls (tests/problems.py: random_geometry, the GPU tests' sw
 checked against the reference route. paged_attention_varlen: each of its kernels (D, VEC) on a
 mixed call (decodes, a verify, chunks over pasts, a prompt, an empty request, padding tokens)
 and on short chunks over long pasts that split (its combine kernel), each against the
-reference route."""
+reference route, with the prefill kernel on each of its atoms (m16n8k16 on SM80+) and off."""
 
 import sys
 from pathlib import Path
@@ -59,24 +59,30 @@ def cells(rf_kinds=("rf-m8n8k4", "rf-m16n8k16")):
     return out, want_attn, want_comb
 
 
-def varlen_cells(only=None):
+def varlen_cells(lib, prefill_kinds, only=None):
+    """paged_attention_varlen's cells, with each prefill kernel kind (set_prefill_override: the
+    requests of more than 16 tokens on its kernel) and with none ("off": the tile loop takes
+    them all)."""
     bad = 0
-    for D, _, vec in switch_entries("SM70ATTN_VARLEN_KERNELS"):
-        for what, ql, past in (
-            ("mixed", (1, 5, 40, 0, 19, 130, 16), (30, 7, 0, 12, 100, 0, 900)),
-            ("split", (1, 8, 40), (9000, 5000, 12000)),
-        ):
-            label = f"varlen D{D} VEC{vec} {what}"
-            if only and only not in label:
-                continue
-            kw = dict(layout="padded") if vec == 8 else {}
-            p = make_varlen_problem(ql, past, G=6, D=D, H_kv=1, device="cuda", **kw)
-            out = torch.ops.sm70attn.paged_attention_varlen(*varlen_args(p))
-            ref = reference.paged_attention_varlen(*varlen_args(p))
-            err = float((out.float() - ref.float()).abs().max())
-            ok = bool(torch.isfinite(out).all()) and err <= 2e-2
-            bad += not ok
-            print(f"{label}: max |op - reference| {err:.2e}", "ok" if ok else "BAD")
+    for kind in (*prefill_kinds, "off"):
+        lib.set_prefill_override(kind)
+        for D, _, vec in switch_entries("SM70ATTN_VARLEN_KERNELS"):
+            for what, ql, past in (
+                ("mixed", (1, 5, 40, 0, 19, 130, 16), (30, 7, 0, 12, 100, 0, 900)),
+                ("split", (1, 8, 40, 200), (9000, 5000, 12000, 20000)),
+            ):
+                label = f"varlen D{D} VEC{vec} prefill {kind} {what}"
+                if only and only not in label:
+                    continue
+                kw = dict(layout="padded") if vec == 8 else {}
+                p = make_varlen_problem(ql, past, G=6, D=D, H_kv=1, device="cuda", **kw)
+                out = torch.ops.sm70attn.paged_attention_varlen(*varlen_args(p))
+                ref = reference.paged_attention_varlen(*varlen_args(p))
+                err = float((out.float() - ref.float()).abs().max())
+                ok = bool(torch.isfinite(out).all()) and err <= 2e-2
+                bad += not ok
+                print(f"{label}: max |op - reference| {err:.2e}", "ok" if ok else "BAD")
+    lib.set_prefill_override("auto")
     return bad
 
 
@@ -145,7 +151,7 @@ def main():
     odd = torch.randn(6, 2, 65, device="cuda").half()[..., 1:]
     sa.store_kv(odd, odd, kc, kc.clone(), slots)
     torch.cuda.synchronize()
-    bad += varlen_cells(args.only)
+    bad += varlen_cells(lib, ("m8n8k4", "m16n8k16") if sm80 else ("m8n8k4",), args.only)
     bad += sweep(args.sweep)
     missing = sorted(want_attn - seen_attn) + sorted(want_comb - seen_comb)
     print(f"{len(todo)} cells, {len(seen_attn)} attention and {len(seen_comb)} combine kernels")

@@ -209,10 +209,37 @@ def natural_loops(succ: dict[int, set[int]]) -> dict[int, set[int]]:
     return loops
 
 
-def analyse(insns) -> dict:
+RARE = "// (not a whole tile's)"
+
+
+def rare_lines(header: str) -> set[str]:
+    """"file:line" of every line of the blocks a kernel header marks as off the path a whole tile
+    takes (the line opening the block ends in RARE: the prefill kernel's masked branch, taken by
+    the causal diagonal and tiles with an invalid page, and its O rescale, taken when a row's
+    maximum moves); the tile's count leaves their instructions out."""
+    path = os.path.join(_jit.csrc_dir(), "sm70attn", header)
+    if not os.path.exists(path):
+        return set()
+    lines, out = open(path).read().splitlines(), set()
+    for i, text in enumerate(lines):
+        if not text.rstrip().endswith(RARE):
+            continue
+        depth = 1  # the block this line opens (its "} else {" closes nothing of it)
+        out.add(f"{header}:{i + 1}")
+        for j in range(i + 1, len(lines)):
+            code = lines[j].split("//")[0]
+            depth += code.count("{") - code.count("}")
+            out.add(f"{header}:{j + 1}")
+            if depth <= 0:
+                break
+    return out
+
+
+def analyse(insns, rare=frozenset()) -> dict:
     """The kernel's mix; and for the main loop (the natural loop holding HMMA and a barrier
     with the fewest blocks, else the largest one holding a global load): the mix of one
-    iteration outside its inner loops ("main_loop"), and each inner loop's body."""
+    iteration outside its inner loops ("main_loop", leaving out the instructions of the source
+    lines in `rare`: rare_lines), and each inner loop's body."""
     body = [x for x in insns if x[1]]
     r = {"kernel": mix(body)}
     bl, succ = blocks(insns)
@@ -232,7 +259,7 @@ def analyse(insns) -> dict:
         return r
     inner = [h for h in nat if h != main and nat[h] < nat[main]]
     in_inner = set().union(*(nat[h] for h in inner)) if inner else set()
-    own = [x for b in sorted(nat[main] - in_inner) for x in bl[b]]
+    own = [x for b in sorted(nat[main] - in_inner) for x in bl[b] if x[4] not in rare]
     r["main_loop"] = mix(own)
     r["inner_loops"] = []
     for h in inner:
@@ -348,7 +375,7 @@ def disassemble(args):
             "11.8 drops sm_90 opcodes it does not know, such as VIADD): for sm_90 use a newer "
             "one (tools/sm70_sass.py's docstring)"
         )
-    r = analyse(kernels[entry])
+    r = analyse(kernels[entry], rare_lines(header))
     r["regs"] = regs
     inner = r.get("inner_loops", [])
     # the loops' constants are those of the header their `for` is in (varlen.cuh's kernel runs

@@ -86,6 +86,18 @@ FAMILIES = {
         "sm70attn::CombineVarlenTraits<{0}>",
         "combine-varlen D{0}",
     ),
+    "prefill-m8n8k4": (
+        "prefill.cuh",
+        "sm70attn::prefill_kernel<{t}, sm70attn::MmaM8N8K4>",
+        "sm70attn::PrefillTraits<{0}, {1}>",
+        "prefill D{0} VEC{1} m8n8k4",
+    ),
+    "prefill-m16n8k16": (
+        "prefill.cuh",
+        "sm70attn::prefill_kernel<{t}, sm70attn::MmaM16N8K16>",
+        "sm70attn::PrefillTraits<{0}, {1}>",
+        "prefill D{0} VEC{1} m16n8k16",
+    ),
     "store_kv": ("store_kv.cuh", "sm70attn::store_kv_kernel", "", "store_kv"),
     "mma": ("mma_check.cuh", "sm70attn::mma_check_kernel<sm70attn::{t}>", "", "mma atom {t}"),
 }
@@ -132,14 +144,16 @@ def switch_entries(macro: str) -> list[tuple[int, ...]]:
 
 @functools.cache
 def kernels() -> tuple[Kernel, ...]:
-    """Every kernel the launcher can pick (csrc/launch.h), in a fixed order. The m16n8k16 RF
-    kernels and atom check are built for every arch: before SM80 they compile to a trap."""
+    """Every kernel the launcher can pick (csrc/launch.h), in a fixed order. The m16n8k16 RF and
+    prefill kernels and atom check are built for every arch: before SM80 they compile to a trap."""
     out = [Kernel("attn", e) for e in switch_entries("SM70ATTN_ATTN_KERNELS")]
     for e in switch_entries("SM70ATTN_RF_KERNELS"):
         out += [Kernel("attn-rf-m8n8k4", e), Kernel("attn-rf-m16n8k16", e)]
     out += [Kernel("combine", e) for e in switch_entries("SM70ATTN_COMBINE_KERNELS")]
     out += [Kernel("attn-varlen", e) for e in switch_entries("SM70ATTN_VARLEN_KERNELS")]
     out += [Kernel("combine-varlen", e) for e in switch_entries("SM70ATTN_COMBINE_VARLEN_KERNELS")]
+    for e in switch_entries("SM70ATTN_PREFILL_KERNELS"):
+        out += [Kernel("prefill-m8n8k4", e), Kernel("prefill-m16n8k16", e)]
     out += [Kernel("store_kv")] + [Kernel("mma", (s,)) for s in ATOMS]
     return tuple(out)
 

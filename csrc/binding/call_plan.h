@@ -24,6 +24,33 @@ int kernel_kind(int device, int d, int mb, i64 capacity) {
   return forced;
 }
 
+// The prefill kernel paged_attention_varlen launches for its long requests on a device: the
+// m16n8k16 twin on SM80 and newer, m8n8k4 below (SM70's atom), or what set_prefill_override says.
+int prefill_kind(int device) {
+  const int forced = g_prefill.load();
+  const int cc = device_info(device).cc;
+  if (forced < 0) return cc >= 80 ? sm70attn::PREFILL_M16N8K16 : sm70attn::PREFILL_M8N8K4;
+  TORCH_CHECK_VALUE(forced != sm70attn::PREFILL_M16N8K16 || cc >= 80,
+                    msg("paged_attention_varlen: set_prefill_override('m16n8k16') needs SM80 or newer, device ", device,
+                        " is SM", cc, "; set 'auto' or 'm8n8k4'"));
+  return forced;
+}
+
+// sm70attn::prefill_ctas_per_sm, cached per (device, kind, D, vec): the query loads the kernel.
+int prefill_occupancy(const sm70attn::Launcher& l, int kind, int d, int vec) {
+  static std::atomic<int> cache[sm70attn::kMaxDevices][3][3][2];  // 0: not yet asked
+  const int device = l.device;
+  if (device < 0 || device >= sm70attn::kMaxDevices || kind < 1 || kind > 2 || (d != 64 && d != 128 && d != 256))
+    return sm70attn::prefill_ctas_per_sm(l, kind, d, vec);
+  std::atomic<int>& c = cache[device][kind][d == 64 ? 0 : d == 128 ? 1 : 2][vec == 16];
+  int n = c.load(std::memory_order_relaxed);
+  if (n == 0) {
+    n = std::max(sm70attn::prefill_ctas_per_sm(l, kind, d, vec), 1);
+    c.store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 // sm70attn::attn_ctas_per_sm, cached per (device, kind, D, mb, vec): the query loads the kernel.
 int ctas_per_sm(const sm70attn::Launcher& l, int kind, int d, int mb, int vec) {
   static std::atomic<int> cache[sm70attn::kMaxDevices][3][3][9][2];  // 0: not yet asked

@@ -212,9 +212,12 @@ at::Tensor paged_attention_varlen(const at::Tensor& query, const at::Tensor& key
   int num_sms = device_info(device).num_sms;
   if (const int sms = g_plan_sms.load(); sms > 0) num_sms = sms;
   const int ctas = std::max(1, sm70attn::varlen_ctas_per_sm(l, (int)D, vec));
+  const int prefill = prefill_kind(device);
+  const int pf_ctas = prefill == sm70attn::PREFILL_OFF ? 0 : std::max(1, prefill_occupancy(l, prefill, (int)D, vec));
   const sm70attn::VarlenPlan plan =
-      sm70attn::plan_paged_attention_varlen(T, B, (int)H_q, (int)H_kv, (int)D, capacity, num_sms, ctas);
-  TORCH_CHECK_VALUE(plan.tiles * H_kv <= INT_MAX, msg("T = ", T, " tokens are too many for the launch grid"));
+      sm70attn::plan_paged_attention_varlen(T, B, (int)H_q, (int)H_kv, (int)D, capacity, num_sms, ctas, pf_ctas);
+  TORCH_CHECK_VALUE(std::max(plan.tiles, plan.pf_tiles) * H_kv <= INT_MAX,
+                    msg("T = ", T, " tokens are too many for the launch grid"));
   at::Tensor workspace;
   if (plan.workspace_floats > 0) {
     workspace = at::empty({plan.workspace_floats}, query.options().dtype(at::kFloat));
@@ -242,10 +245,11 @@ at::Tensor paged_attention_varlen(const at::Tensor& query, const at::Tensor& key
   p.rows = (int)G, p.row_groups = 1, p.num_splits = 1;
   p.split_cap = plan.split_cap, p.split_tokens = plan.split_tokens, p.split_q = plan.split_q;
   p.split_target = plan.split_target, p.units = plan.units;
+  p.pf_min_q = plan.pf_min_q, p.pf_split_target = plan.pf_split_target;
   p.scale_log2 = (float)(scale * 1.4426950408889634);
   p.q_vec16 = ptr_aligned(query, 16) && strides_aligned(query, 2, 8);
   sm70attn::set_varlen_workspace(p, plan.workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr);
-  check_cu(sm70attn::launch_paged_attention_varlen(l, p, plan, vec), "paged_attention_varlen launch");
+  check_cu(sm70attn::launch_paged_attention_varlen(l, p, plan, vec, prefill), "paged_attention_varlen launch");
   return out;
 }
 

@@ -70,7 +70,7 @@ __device__ __forceinline__ void attend_cta(const PagedAttnParams& p) {
   } else {
     const int tile = fastdiv(blockIdx.x, p.div_hkv);
     kvh = blockIdx.x - tile * p.H_kv;
-    vt = varlen_tile<ROWS>(p, tile, reinterpret_cast<int*>(smem + KT::SMEM_BYTES));
+    vt = varlen_scan<ROWS, prefill_rows(KT::D), false>(p, tile, reinterpret_cast<int*>(smem + KT::SMEM_BYTES));
     if (vt.b() < 0 || split >= vt.splits()) return;  // (CTA-uniform) past the last tile or split
     b = vt.b(), row0 = vt.row0(), nrows = min(ROWS, vt.q() * p.G - row0), len = vt.len();
     const int splits = vt.splits();

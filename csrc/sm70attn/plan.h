@@ -61,17 +61,29 @@ inline AttnPlan plan_paged_attention(int B, int H_q, int H_kv, int Q, int D, i64
 // tokens), and to no more than the call's tokens could claim.
 constexpr i64 kVarlenSplitBytes = 48ll << 20;
 
+// With the prefill kernel (pf_ctas_per_sm > 0: its occupancy on this device), the requests of more
+// than kPrefillMinQ tokens are its (pf_tiles x H_kv CTAs: an upper bound of their tiles), and the
+// tile loop's grid shrinks to the tiles of the others (at most kPrefillMinQ tokens each).
 struct VarlenPlan {
   i64 tiles = 0;  // grid x / H_kv
   int split_cap = 1, split_tokens = 2048, split_q = 256, split_target = 1, units = 0;
   i64 workspace_floats = 0;  // partial O (fp16) of every unit row and split, (m, l), unit heads
+  i64 pf_tiles = 0;          // the prefill kernel's grid x / H_kv (0: not launched)
+  int pf_min_q = 0x7fffffff, pf_split_target = 1;
 };
 
 inline VarlenPlan plan_paged_attention_varlen(i64 T, i64 B, int H_q, int H_kv, int D, i64 capacity, int num_sms,
-                                              int ctas_per_sm) {
+                                              int ctas_per_sm, int pf_ctas_per_sm = 0) {
   VarlenPlan pl;
   const i64 G = H_q / H_kv, rows = 16 * varlen_row_blocks();
   pl.tiles = (T * G + rows - 1) / rows + B + 1;
+  if (pf_ctas_per_sm > 0) {
+    const i64 pf_rows = prefill_rows(D);
+    pl.pf_min_q = kPrefillMinQ;
+    pl.pf_tiles = (T * G + pf_rows - 1) / pf_rows + B + 1;
+    pl.tiles = std::min(pl.tiles, (B + 1) * ((kPrefillMinQ * G + rows - 1) / rows));
+    pl.pf_split_target = 2 * pf_ctas_per_sm * std::max(num_sms, 1);
+  }
   pl.split_target = 2 * std::max(ctas_per_sm, 1) * std::max(num_sms, 1);
   pl.split_cap = (int)std::min<i64>(16, std::max<i64>(1, (capacity + pl.split_tokens - 1) / pl.split_tokens));
   if (pl.split_cap > 1) {

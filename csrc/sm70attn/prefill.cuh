@@ -27,51 +27,6 @@
 
 namespace sm70attn {
 
-// Query rows of a prefill CTA: 64 at D 256 (Q 33 KB, the K/V tile 33 KB), 128 below.
-__host__ __device__ constexpr int prefill_rows(int d) { return d == 256 ? 64 : 128; }
-
-template <int D_, int VEC_>
-struct PrefillTraits {
-  static constexpr int D = D_, VEC = VEC_;
-  static constexpr int ROWS = prefill_rows(D), N = 64, WARPS = 16, THREADS = 32 * WARPS, MIN_BLOCKS = 1;
-  static constexpr bool V_OVER_K = D == 256;  // one tile buffer: Q, K and V do not fit 96 KB at D 256
-  // QK^T: warp w = (rq, cq) = (w / 4, w % 4) takes rows [RQ rq, RQ rq + RQ) and keys [16 cq, 16 cq + 16).
-  static constexpr int WCQ = 4, RQ = ROWS / 4, NRB = RQ / 16;
-  // PV: warp w = (rp, cp) = (w / WCP, w % WCP) takes rows [32 rp, 32 rp + 32) and CP columns
-  // (PfOps: which ones).
-  static constexpr int RP = 32, WRP = ROWS / RP, WCP = WARPS / WRP, CP = D / WCP;
-  // KV gather (kv_tile.h), as AttnTraits
-  static constexpr int CPT = D / VEC;
-  static constexpr int TPK = pow2_floor(THREADS / N < CPT ? THREADS / N : CPT);
-  static constexpr int LPT = CPT / TPK, ACTIVE = N * TPK;
-  // Leading dims (halves; floats for E): rows 16 bytes mod 128 apart, so the fragment loads of a
-  // quad-pair's 4 rows (m8n8k4) and the gather's 16-byte stores hit distinct banks.
-  static constexpr int QLD = D + 8, KLD = D + 8, PLD = N + 8, ELD = D + 4;
-  static constexpr int Q_OFF = 0;
-  static constexpr int K_OFF = Q_OFF + ROWS * QLD * 2;
-  static constexpr int V_OFF = K_OFF + (V_OVER_K ? 0 : N * KLD * 2);
-  static constexpr int P_OFF = V_OFF + N * KLD * 2;         // [ROWS][PLD] fp16
-  static constexpr int RED_OFF = P_OFF + ROWS * PLD * 2;    // [ROWS][WCQ] fp32: maxima, then sums
-  static constexpr int ALPHA_OFF = RED_OFF + ROWS * WCQ * 4;  // [ROWS] fp32: O's rescale, then m
-  static constexpr int MOVED_OFF = ALPHA_OFF + ROWS * 4;    // [4] ints: a row of row group rq moved
-  static constexpr int TOK_OFF = MOVED_OFF + 16;            // [N] "page valid" flags
-  static constexpr int TILE_OFF = TOK_OFF + N * 4;          // the CTA's request (varlen_scan: 7 ints)
-  static constexpr int META_OFF = TILE_OFF + 32;            // [3] i64: K and V bases, block table row
-  static constexpr int LAST_OFF = META_OFF + 24;            // [ROWS] the last token a row sees (-1: padding)
-  static constexpr int SMEM_BYTES = LAST_OFF + ROWS * 4;
-  static constexpr int EPI_BYTES = ROWS * ELD * 4;          // fp32 O for the epilogue (aliases Q..P)
-  // The online softmax's lazy rescale (as paged_attention_rf.cuh): m moves when a tile's maximum
-  // passes it by more than this (log2 units), so P <= 2^8.
-  static constexpr float RESCALE_LOG2 = 8.f;
-  static_assert(D == 64 || D == 128 || D == 256, "head dim");
-  static_assert(VEC == 8 || VEC == 16, "load width");
-  static_assert(RQ % 16 == 0 && ROWS % RP == 0 && WARPS % WRP == 0 && CP % 16 == 0, "warp tiles");
-  static_assert(CPT % TPK == 0 && ACTIVE <= THREADS, "gather layout");
-  static_assert(EPI_BYTES <= RED_OFF, "epilogue staging leaves the row state");
-  static_assert(SMEM_BYTES <= 96 * 1024, "SM70 shared memory per block");
-  static_assert(K_OFF % 16 == 0 && V_OFF % 16 == 0 && P_OFF % 16 == 0 && RED_OFF % 16 == 0, "aligned accesses");
-};
-
 template <class Atom>
 struct PfOps;
 
@@ -244,69 +199,6 @@ struct PfOps<MmaM16N8K16> {
   }
 };
 
-// varlen_tile for a step that both kernels share: a request (the padding request B too) of more
-// than pf_min_q tokens is the prefill kernel's (tiles of PF_ROWS rows), the others varlen.cuh's
-// (tiles of OLD_ROWS); both kernels scan every request the same way, so the split units (in
-// request order, one budget) are numbered alike in both. A request's splits depend on its own
-// tokens and length and on shapes: split_target over its CTAs in its own kernel.
-template <int OLD_ROWS, int PF_ROWS, bool PREFILL>
-__device__ __forceinline__ VarlenTile varlen_scan(const PagedAttnParams& p, int tile, int* sh) {
-  if (threadIdx.x < 32) {
-    const unsigned all = 0xffffffffu;
-    const int lane = threadIdx.x, capacity = p.max_pages * p.page_size;
-    int carry_end = 0, carry_tiles = 0, carry_units = 0;
-    bool found = false;
-    for (int c = 0; c <= p.B && !found; c += 32) {
-      const int b = c + lane;
-      int e = 0, len = 0;
-      if (b < p.B) {
-        e = min(max(__ldg(p.qsl + b + 1), 0), p.T);
-        len = min(max(__ldg(p.seq_lens + (i64)b * p.seq_lens_stride), 0), capacity);
-      } else if (b == p.B) {
-        e = p.T;
-      }
-      int end = max(e, carry_end), tiles_incl, units_incl;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(all, end, o);
-        if (lane >= o) end = max(end, y);
-      }
-      int start = __shfl_up_sync(all, end, 1);
-      if (lane == 0) start = carry_end;
-      const int q = end - start;  // 0 past the padding request
-      const bool pf = q > p.pf_min_q;
-      const int kind_tiles = (q * p.G + (pf ? PF_ROWS : OLD_ROWS) - 1) / (pf ? PF_ROWS : OLD_ROWS);
-      const int tiles = pf == PREFILL ? kind_tiles : 0;
-      int splits = 1, units = 0;
-      if (b < p.B && q > 0 && q <= p.split_q && p.split_cap > 1) {
-        splits = min(p.split_cap, (len + p.split_tokens - 1) / p.split_tokens);
-        splits = max(1, min(splits, (pf ? p.pf_split_target : p.split_target) / (kind_tiles * p.H_kv)));
-        if (splits > 1) units = (q + 7) / 8;
-      }
-      tiles_incl = tiles, units_incl = units;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(all, tiles_incl, o), u = __shfl_up_sync(all, units_incl, o);
-        if (lane >= o) tiles_incl += t, units_incl += u;
-      }
-      tiles_incl += carry_tiles, units_incl += carry_units;
-      if (units > 0 && units_incl > p.units) splits = 1, units = 0;  // over the budget
-      const bool mine = tile >= tiles_incl - tiles && tile < tiles_incl;
-      found = __ballot_sync(all, mine) != 0u;
-      if (mine) {
-        const int rows = PREFILL ? PF_ROWS : OLD_ROWS;
-        sh[0] = b, sh[1] = start, sh[2] = q, sh[3] = len;
-        sh[4] = (tile - (tiles_incl - tiles)) * rows, sh[5] = splits, sh[6] = units_incl - units;
-      }
-      carry_end = __shfl_sync(all, end, 31), carry_tiles = __shfl_sync(all, tiles_incl, 31);
-      carry_units = __shfl_sync(all, units_incl, 31);
-    }
-    if (lane == 0 && !found) sh[0] = -1;
-  }
-  __syncthreads();
-  return VarlenTile{sh};
-}
-
 template <class PT, class Atom>
 __global__ void __launch_bounds__(PT::THREADS, PT::MIN_BLOCKS) prefill_kernel(const PagedAttnParams p) {
   using Ops = PfOps<Atom>;
@@ -389,8 +281,9 @@ __global__ void __launch_bounds__(PT::THREADS, PT::MIN_BLOCKS) prefill_kernel(co
   }
   // The gather's bases (this thread's first chunk added) and the warp's tiles, read again
   // where used.
-  auto kbase = [&] { return reinterpret_cast<const unsigned char*>(meta[0]) + KvStage<PT>::part0(reg_again<TID_X>()) * PT::VEC; };
-  auto vbase = [&] { return reinterpret_cast<const unsigned char*>(meta[1]) + KvStage<PT>::part0(reg_again<TID_X>()) * PT::VEC; };
+  const int part0 = KvStage<PT>::part0(tid) * PT::VEC;
+  auto kbase = [&] { return reinterpret_cast<const unsigned char*>(meta[0]) + part0; };
+  auto vbase = [&] { return reinterpret_cast<const unsigned char*>(meta[1]) + part0; };
   auto btab = [&] { return reinterpret_cast<const int*>(meta[2]); };
   auto wq = [&] { return reg_again<TID_X>() >> 5; };  // the warp: (rq, cq) = (w / 4, w % 4), (rp, cp) = (w / WCP, w % WCP)
 
@@ -445,7 +338,7 @@ __global__ void __launch_bounds__(PT::THREADS, PT::MIN_BLOCKS) prefill_kernel(co
           s[j][i] *= sl2;
           mx[Ops::s_slot(j, i)] = fmaxf(mx[Ops::s_slot(j, i)], s[j][i]);
         }
-    } else {  // the causal limit and the page flags (padding rows see nothing)
+    } else {  // the causal limit and the page flags (padding rows see nothing) // (not a whole tile's)
       // Bit k of vis[r]: the lane's row r sees the warp's key k (of 16): a valid page, at most
       // the row's last token.
       const unsigned ok16 = ((cq < 2 ? ok_lo : ok_hi) >> 16 * (cq & 1)) & 0xffffu;
@@ -526,7 +419,7 @@ __global__ void __launch_bounds__(PT::THREADS, PT::MIN_BLOCKS) prefill_kernel(co
       bool any = false;
 #pragma unroll
       for (int g = 0; g < GROUPS; ++g) any |= moved[g0 + g] != 0;
-      if (any) {
+      if (any) {  // (not a whole tile's)
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll

@@ -103,6 +103,16 @@ inline bool varlen_switch(int d, int mb, int vec, F&& f) {
   return false;
 }
 
+// Calls f(PrefillTraits<D, VEC>{}) for the listed prefill kernel; false when none is listed.
+template <class F>
+inline bool prefill_switch(int d, int vec, F&& f) {
+#define SM70ATTN_CASE(D_, VEC_) \
+  if (d == D_ && vec == VEC_) return f(PrefillTraits<D_, VEC_>{}), true;
+  SM70ATTN_PREFILL_KERNELS(SM70ATTN_CASE)
+#undef SM70ATTN_CASE
+  return false;
+}
+
 // Calls f(CombineVarlenTraits<D>{}) for the listed kernel; false when none is listed.
 template <class F>
 inline bool combine_varlen_switch(int d, F&& f) {

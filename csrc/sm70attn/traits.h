@@ -219,6 +219,55 @@ struct CombineVarlenTraits {
 __host__ __device__ constexpr int varlen_row_blocks() { return 4; }
 constexpr int kVarlenSmemExtra = 32;
 
+// The prefill kernel of paged_attention_varlen (prefill.cuh): the requests of a step with more
+// than kPrefillMinQ tokens. Query rows of its CTA: 64 at D 256 (Q 33 KB, the K/V tile 33 KB),
+// 128 below.
+__host__ __device__ constexpr int prefill_rows(int d) { return d == 256 ? 64 : 128; }
+
+template <int D_, int VEC_>
+struct PrefillTraits {
+  static constexpr int D = D_, VEC = VEC_;
+  static constexpr int ROWS = prefill_rows(D), N = 64, WARPS = 16, THREADS = 32 * WARPS, MIN_BLOCKS = 1;
+  static constexpr bool V_OVER_K = D == 256;  // one tile buffer: Q, K and V do not fit 96 KB at D 256
+  // QK^T: warp w = (rq, cq) = (w / 4, w % 4) takes rows [RQ rq, RQ rq + RQ) and keys [16 cq, 16 cq + 16).
+  static constexpr int WCQ = 4, RQ = ROWS / 4, NRB = RQ / 16;
+  // PV: warp w = (rp, cp) = (w / WCP, w % WCP) takes rows [32 rp, 32 rp + 32) and CP columns
+  // (PfOps: which ones).
+  static constexpr int RP = 32, WRP = ROWS / RP, WCP = WARPS / WRP, CP = D / WCP;
+  // KV gather (kv_tile.h), as AttnTraits
+  static constexpr int CPT = D / VEC;
+  static constexpr int TPK = pow2_floor(THREADS / N < CPT ? THREADS / N : CPT);
+  static constexpr int LPT = CPT / TPK, ACTIVE = N * TPK;
+  // Leading dims (halves; floats for E): rows 16 bytes mod 128 apart, so the fragment loads of a
+  // quad-pair's 4 rows (m8n8k4) and the gather's 16-byte stores hit distinct banks.
+  static constexpr int QLD = D + 8, KLD = D + 8, PLD = N + 8, ELD = D + 4;
+  static constexpr int Q_OFF = 0;
+  static constexpr int K_OFF = Q_OFF + ROWS * QLD * 2;
+  static constexpr int V_OFF = K_OFF + (V_OVER_K ? 0 : N * KLD * 2);
+  static constexpr int P_OFF = V_OFF + N * KLD * 2;         // [ROWS][PLD] fp16
+  static constexpr int RED_OFF = P_OFF + ROWS * PLD * 2;    // [ROWS][WCQ] fp32: maxima, then sums
+  static constexpr int ALPHA_OFF = RED_OFF + ROWS * WCQ * 4;  // [ROWS] fp32: O's rescale, then m
+  static constexpr int MOVED_OFF = ALPHA_OFF + ROWS * 4;    // [4] ints: a row of row group rq moved
+  static constexpr int TOK_OFF = MOVED_OFF + 16;            // [N] "page valid" flags
+  static constexpr int TILE_OFF = TOK_OFF + N * 4;          // the CTA's request (varlen_scan: 7 ints)
+  static constexpr int META_OFF = TILE_OFF + 32;            // [3] i64: K and V bases, block table row
+  static constexpr int LAST_OFF = META_OFF + 24;            // [ROWS] the last token a row sees (-1: padding)
+  static constexpr int SMEM_BYTES = LAST_OFF + ROWS * 4;
+  static constexpr int EPI_BYTES = ROWS * ELD * 4;          // fp32 O for the epilogue (aliases Q..P)
+  // The online softmax's lazy rescale (as paged_attention_rf.cuh): m moves when a tile's maximum
+  // passes it by more than this (log2 units), so P <= 2^8.
+  static constexpr float RESCALE_LOG2 = 8.f;
+  static_assert(D == 64 || D == 128 || D == 256, "head dim");
+  static_assert(VEC == 8 || VEC == 16, "load width");
+  static_assert(RQ % 16 == 0 && ROWS % RP == 0 && WARPS % WRP == 0 && CP % 16 == 0, "warp tiles");
+  static_assert(CPT % TPK == 0 && ACTIVE <= THREADS, "gather layout");
+  static_assert(EPI_BYTES <= RED_OFF, "epilogue staging leaves the row state");
+  static_assert(SMEM_BYTES <= 96 * 1024, "SM70 shared memory per block");
+  static_assert(K_OFF % 16 == 0 && V_OFF % 16 == 0 && P_OFF % 16 == 0 && RED_OFF % 16 == 0, "aligned accesses");
+};
+
+constexpr int kPrefillMinQ = 16;
+
 // store_kv: one thread quantizes 8 consecutive elements (or single elements on the slow path).
 struct StoreKVTraits {
   static constexpr int THREADS = 256;

@@ -16,6 +16,7 @@
 #pragma once
 
 #include "sm70attn/params.h"
+#include "sm70attn/traits.h"
 
 namespace sm70attn {
 
@@ -34,9 +35,14 @@ struct VarlenTile {
 
 // Warp 0 scans the requests 32 at a time (inclusive scans of the running end, the tiles and
 // the units); the tile's request is handed to the CTA through shared memory (sh, 7 ints).
-// Every thread calls it (one barrier).
-template <int ROWS>
-__device__ __forceinline__ VarlenTile varlen_tile(const PagedAttnParams& p, int tile, int* sh) {
+// Every thread calls it (one barrier). The requests of more than pf_min_q tokens (the padding
+// request B too) are the prefill kernel's (prefill.cuh, PREFILL: tiles of PF_ROWS rows), the
+// others the tile loop's (tiles of OLD_ROWS); both kernels scan every request alike, so the
+// split units (in request order, one budget) are numbered the same in both. A request's splits
+// depend on its own tokens and length and on shapes (the split target over its CTAs in its own
+// kernel).
+template <int OLD_ROWS, int PF_ROWS, bool PREFILL>
+__device__ __forceinline__ VarlenTile varlen_scan(const PagedAttnParams& p, int tile, int* sh) {
   if (threadIdx.x < 32) {
     const unsigned all = 0xffffffffu;
     const int lane = threadIdx.x, capacity = p.max_pages * p.page_size;
@@ -60,11 +66,13 @@ __device__ __forceinline__ VarlenTile varlen_tile(const PagedAttnParams& p, int 
       int start = __shfl_up_sync(all, end, 1);
       if (lane == 0) start = carry_end;
       const int q = end - start;  // 0 past the padding request
-      const int tiles = (q * p.G + ROWS - 1) / ROWS;
+      const bool pf = q > p.pf_min_q;
+      const int kind_tiles = (q * p.G + (pf ? PF_ROWS : OLD_ROWS) - 1) / (pf ? PF_ROWS : OLD_ROWS);
+      const int tiles = pf == PREFILL ? kind_tiles : 0;
       int splits = 1, units = 0;
       if (b < p.B && q > 0 && q <= p.split_q && p.split_cap > 1) {
         splits = min(p.split_cap, (len + p.split_tokens - 1) / p.split_tokens);
-        splits = max(1, min(splits, p.split_target / (tiles * p.H_kv)));  // (len 0: 1)
+        splits = max(1, min(splits, (pf ? p.pf_split_target : p.split_target) / (kind_tiles * p.H_kv)));
         if (splits > 1) units = (q + 7) / 8;
       }
       tiles_incl = tiles, units_incl = units;
@@ -78,8 +86,9 @@ __device__ __forceinline__ VarlenTile varlen_tile(const PagedAttnParams& p, int 
       const bool mine = tile >= tiles_incl - tiles && tile < tiles_incl;
       found = __ballot_sync(all, mine) != 0u;
       if (mine) {
+        const int rows = PREFILL ? PF_ROWS : OLD_ROWS;
         sh[0] = b, sh[1] = start, sh[2] = q, sh[3] = len;
-        sh[4] = (tile - (tiles_incl - tiles)) * ROWS, sh[5] = splits, sh[6] = units_incl - units;
+        sh[4] = (tile - (tiles_incl - tiles)) * rows, sh[5] = splits, sh[6] = units_incl - units;
       }
       carry_end = __shfl_sync(all, end, 31), carry_tiles = __shfl_sync(all, tiles_incl, 31);
       carry_units = __shfl_sync(all, units_incl, 31);

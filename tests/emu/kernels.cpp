@@ -297,7 +297,7 @@ std::vector<unsigned short> run_varlen(Problem& p, Varlen& v, int num_sms, int s
   for (int i = 0; i < 4 * plan.units; ++i) a.unit_head[i] = 0;
   set_divisors(a);
   const int vec = (p.k_off % 16 == 0 && p.v_off % 16 == 0 && p.s_page % 16 == 0 && p.s_tok % 16 == 0 && p.s_head % 16 == 0) ? 16 : 8;
-  a.pf_min_q = 0, a.pf_split_target = plan.split_target;
+  a.pf_min_q = sel == VL_TILES ? 0x7fffffff : 0, a.pf_split_target = plan.split_target;
   if (sel == VL_TILES) {
     if (!varlen_switch(p.D, varlen_row_blocks(), vec, [&](auto kt) {
           launch_varlen<decltype(kt)>(dim3((unsigned)(plan.tiles * p.H_kv), plan.split_cap), a);
