@@ -20,6 +20,7 @@ EMU = ROOT / "tests" / "emu"
 # Cases of kernels.cpp that take seconds each, slowest first (they start first); the slower ones
 # (splits, manysplits, allcfg, padwarps, fuzz) run by hand: see the head of kernels.cpp.
 CASES = [
+    "prefill",
     "rfkinds",
     "varlen",
     "rffuzz",

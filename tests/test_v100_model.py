@@ -306,7 +306,7 @@ def test_prefill_model_on_the_measured_cells():
     prm = vm.fit(RUNS, SASS, vm.dynamic_scale(SASS))
     runs = vm.load_prefill_runs()
     fitted, errs, held, rows = vm.prefill_report(prm, SASS, runs)
-    for e, (cell, ms, _) in zip(errs, runs, strict=True):
+    for e, (cell, ms, *_) in zip(errs, runs, strict=True):
         assert abs(e) < (0.10 if ms > 1 else 0.35), (cell, ms, e)
     assert held and max(map(abs, held)) < 0.35, held
     assert len(rows) == 2 * 6 * 4 and all(r["lo"]["ms"] <= r["hi"]["ms"] for r in rows)

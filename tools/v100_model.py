@@ -709,27 +709,48 @@ def predict_prefill_with(cell, gpu_name, k, W, N, rows, c, prm, hmma_latency="hi
     )
 
 
-def predict_prefill(cell, gpu_name, sass, prm, hmma_latency="hi") -> dict:
-    """The varlen tile loop's prediction (attn-varlen D MB4: 64-row CTAs, the decode kernel's
-    tiles)."""
-    D = cell["D"]
-    k = dict(sass[GPUS[gpu_name]["arch"]][f"attn-varlen D{D} MB4 VEC16"])
-    k["smem"] += VARLEN_SMEM_EXTRA
-    return predict_prefill_with(cell, gpu_name, k, warps(D, 4), tile_tokens(D, 4), 64, prm[f"c varlen D{D}"],
-                                prm, hmma_latency)  # fmt: skip
+# The two kernels of paged_attention_varlen the model knows: the tile loop (attn-varlen D MB4:
+# 64-row CTAs, the decode kernel's tiles; every request before the prefill kernel) and the prefill
+# kernel (prefill.cuh: 16 warps, 64-token tiles, CTAs of prefill_rows(D) rows, launched backwards;
+# the requests of more than 16 tokens), each on the arch's MMA atom.
+def prefill_rows(D: int) -> int:
+    """traits.h's prefill_rows: the prefill kernel's query rows a CTA."""
+    return 64 if D == 256 else 128
+
+
+def prefill_kernel_name(D: int, arch: str) -> str:
+    return f"prefill D{D} VEC16 {'m8n8k4' if arch == 'sm_70' else 'm16n8k16'}"
+
+
+def predict_prefill(cell, gpu_name, sass, prm, hmma_latency="hi", kernel="prefill") -> dict:
+    """One kernel's prediction of a prefill cell: kernel "prefill" (the prefill kernel) or
+    "varlen" (the tile loop)."""
+    D, arch = cell["D"], GPUS[gpu_name]["arch"]
+    if kernel == "varlen":
+        k = dict(sass[arch][f"attn-varlen D{D} MB4 VEC16"])
+        k["smem"] += VARLEN_SMEM_EXTRA
+        return predict_prefill_with(cell, gpu_name, k, warps(D, 4), tile_tokens(D, 4), 64, prm[f"c varlen D{D}"],
+                                    prm, hmma_latency)  # fmt: skip
+    k = sass[arch][prefill_kernel_name(D, arch)]
+    return predict_prefill_with(cell, gpu_name, k, 16, 64, prefill_rows(D), prm[f"c prefill D{D}"], prm,
+                                hmma_latency, order=-1)  # fmt: skip
 
 
 # --- prefill designs, before one is built ------------------------------------------------------
 # A candidate prefill kernel as the model sees one: the instructions one warp issues per 64-token
 # KV tile by class (sass.json's tile_mix), its CTA (threads, registers, shared memory, query rows)
-# and the bytes it moves through DRAM besides K and V. The mix is counted from the design's tiles
-# (m8n8k4: an mma.sync is 4 HMMA.884 over a 16 x 16 x 4 block of a warp; a 16-byte shared load
-# feeds two k-steps of a row or a key); the fixed costs (the gather's addresses, barriers, the
-# loop) from the built kernel's SASS. Every design is then timed like the kernels that ran
-# (predict_prefill_with: latency, issue, shared memory; the CTAs list-scheduled on 80 SMs), with
-# the latency constant of the kernel that ran at that head dim (c varlen D), so the designs are
-# compared on their instruction mixes and grids.
-GATHER_PER_CHUNK = 21  # kv_tile.h: address, page and flag instructions per 16-byte chunk of a lane
+# and the bytes it moves through DRAM besides K and V. The mix is counted from the design's tiles:
+# m8n8k4's mma.sync is 4 HMMA.884 over a 16 x 16 x 4 block of a warp; a 16-byte shared load feeds
+# two k-steps of a row or a key; 7 integer instructions turn 4 E4M3 bytes into fp16 (e4m3.h); the
+# softmax takes per S element a lane holds (e) an exp2 (MUFU), a conversion to fp16 and 5 FP32
+# instructions, per row it holds (nr) 6 more, two shuffles and an STS. The per-tile costs that
+# scale with neither (the gather's page lookups and addresses, the loop, the barriers: INT_FIXED,
+# CONTROL) are the built kernel's, read off its sm_70 SASS (sass.json "prefill D VEC16 m8n8k4":
+# with them the fused-16w mix equals the built kernel's class by class within 4%). Every design is
+# then timed like the kernels that ran (predict_prefill_with: latency, issue, shared memory; the
+# CTAs list-scheduled on 80 SMs), with the latency constant of the kernel that ran at that head
+# dim (c varlen D), so the designs are compared on their instruction mixes and grids.
+INT_FIXED, CONTROL = 123, 28  # per warp and tile; + 28 integer where K and V load apart (D 256)
 DESIGNS = ("fused-16w", "fused-8w", "two-product")
 
 
@@ -754,23 +775,24 @@ def design(name: str, D: int) -> dict:
         nr = 2 * rq // 16  # rows a lane holds in S
         e = rq * kq // 32  # S elements a lane holds
         part = ks - 1  # fp32 partial S tiles written, read and added
+        apart = D == 256  # K and V through one tile buffer: two loads a tile
         lds = (D // ks // 8) * (rq // 16 + kq // 16) + (n // 8) * (rp // 16 + cp // 16) + nr + 4 + part * e // 4
         chunks = 2 * n * D // (16 * 32 * W)  # 16-byte K and V chunks a lane gathers
-        sts = 2 * n * D * 2 // (W * 512) + e // 2 + part * e // 4
+        sts = 2 * n * D * 2 // (W * 512) + e // 2 + 2 * nr + 2 + part * e // 4
         mix = dict(
             tensor=D // ks * rq * kq // 256 + n * rp * cp // 256,
             lds=lds,
             sts=sts,
-            ldg=chunks + 1,
-            int=7 * chunks * 4 + GATHER_PER_CHUNK * chunks + e // 2,
-            fp32=4 * e + 6 * nr + part * e,
-            mufu=e,
+            ldg=chunks + 1 + apart,
+            int=7 * chunks * 4 + INT_FIXED + 28 * apart + e // 2,
+            fp32=5 * e + 6 * nr + 5 + part * e,
+            mufu=e + nr,
             cvt=e,
             shfl=2 * nr,
-            control=30,
-            move=6,
+            control=CONTROL,
+            move=3,
         )
-        mix["smem_bytes"] = 512 * (lds - nr - 4) + 16 * (nr + 4) + 512 * (sts - e // 2) + 128 * (e // 2)
+        mix["smem_bytes"] = 512 * (lds - nr - 4 + 2 * n * D * 2 // (W * 512)) + 16 * (nr + 4) + 128 * (e // 2 + 2 * nr + 2)
         smem = rows * (D + 8) * 2 + n * (D + 8) * 2 * (1 if D == 256 else 2) + rows * (n + 8) * 2 + rows * 20
         return dict(mix=mix, threads=32 * W, regs=128 if W == 16 else 255, rows=rows, n=n,
                     smem=smem + (rows * kq * 4 if part else 0), extra_dram=0)  # fmt: skip
@@ -784,15 +806,15 @@ def design(name: str, D: int) -> dict:
             tensor=4 * rows * n * D // 512 // W,
             lds=lds,
             sts=sts,
-            ldg=chunks + e // 4,
+            ldg=chunks + 1 + e // 4,
             stg=e // 4,
-            int=7 * chunks * 4 + GATHER_PER_CHUNK * chunks + e // 2,
+            int=7 * chunks * 4 + INT_FIXED + e // 2,
             fp32=3 * e,
             mufu=e,
             cvt=e,
             shfl=8,
-            control=40,
-            move=6,
+            control=CONTROL + 10,
+            move=3,
         )
         mix["smem_bytes"] = 512 * (lds + sts)
         return dict(mix=mix, threads=32 * W, regs=255, rows=rows, n=n,
@@ -805,6 +827,23 @@ def design_entry(name: str, D: int) -> dict:
     d = design(name, D)
     return dict(tile=sum(v for k, v in d["mix"].items() if k != "smem_bytes"), tile_mix=d["mix"],
                 regs=d["regs"], threads=d["threads"], smem=d["smem"], rest=600)  # fmt: skip
+
+
+DESIGN_CELLS = [dict(D=D, G=G, H_kv=H_kv, chunk=chunk, past=past, page=page)
+                for D, G, H_kv, page in PREFILL_GRID["shapes"]
+                for chunk, past in ((4096, 32768), (4096, 131072), (16384, 0), (512, 131072))]  # fmt: skip
+
+
+def design_table(rows) -> str:
+    """design_report as the markdown table docs/perf.md keeps."""
+    lines = ["| cell | design | instructions a warp, tile (HMMA) | V100 TFLOP/s (hi .. lo) | bound (hi / lo) |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        c = r["cell"]
+        lines.append(f"| D{c['D']} G{c['G']} H_kv{c['H_kv']} {c['chunk']} over {c['past']} | {r['design']} | "
+                     f"{r['tile']:.0f} ({r['tensor']}) | {r['hi']['tflops']:.1f} .. {r['lo']['tflops']:.1f} | "
+                     f"{r['hi']['limiter']} / {r['lo']['limiter']} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def design_report(prm, cells) -> list[dict]:
@@ -822,28 +861,34 @@ def design_report(prm, cells) -> list[dict]:
     return out
 
 
-def load_prefill_runs() -> list[tuple[dict, float, str]]:
-    """(cell, measured ms of ours, the GPU in GPUS) of every committed prefill run."""
+def load_prefill_runs() -> list[tuple[dict, float, str, str]]:
+    """(cell, measured ms, the GPU in GPUS, kernel) of every committed prefill run: a run's "ours"
+    is the prefill kernel where the run also timed the tile loop ("tile_loop": the op with the
+    prefill kernel off), else the tile loop (the runs before the prefill kernel)."""
     out = []
     for name in sorted(os.listdir(DATA)):
         if name.startswith("prefill_") and name.endswith(".json"):
             run = json.load(open(os.path.join(DATA, name)))
             gpu = "H100" if "H100" in run["meta"]["device"] else "H200"
-            out += [(r["cell"], r["ours"]["ms"], gpu) for r in run["rows"]]
+            for r in run["rows"]:
+                if "tile_loop" in r:
+                    out += [(r["cell"], r["ours"]["ms"], gpu, "prefill"), (r["cell"], r["tile_loop"]["ms"], gpu, "varlen")]
+                else:
+                    out.append((r["cell"], r["ours"]["ms"], gpu, "varlen"))
     return out
 
 
 def prefill_errors(prm, runs, sass):
-    return [(predict_prefill(c, g, sass, prm)["ms"] / ms - 1, c, ms) for c, ms, g in runs]
+    return [(predict_prefill(c, g, sass, prm, kernel=k)["ms"] / ms - 1, c, ms, k) for c, ms, g, k in runs]
 
 
 def fit_prefill(prm, runs, sass) -> dict:
-    """c varlen D per head dim, by least squares on log(predicted / measured) (a scan, then
-    halving steps), the decode fit's other parameters kept."""
+    """c <kernel> D per kernel and head dim, by least squares on log(predicted / measured) (a
+    scan, then halving steps), the decode fit's other parameters kept."""
     out = dict(prm)
-    for D in sorted({c["D"] for c, *_ in runs}):
-        mine = [r for r in runs if r[0]["D"] == D]
-        key = f"c varlen D{D}"
+    for kernel, D in sorted({(k, c["D"]) for c, _, _, k in runs}):
+        mine = [r for r in runs if r[0]["D"] == D and r[3] == kernel]
+        key = f"c {kernel} D{D}"
 
         def loss(v, key=key, mine=mine):
             return sum(
@@ -859,9 +904,10 @@ def fit_prefill(prm, runs, sass) -> dict:
     return out
 
 
-def prefill_report(prm, sass, runs) -> tuple[list, list, list]:
-    """(the errors fitted on every run (H200 or H100), errors of the cells over no past or 128K when fitted on
-    the others (held out), the V100 rows of --json)."""
+def prefill_report(prm, sass, runs) -> tuple[dict, list, list, list]:
+    """(the fitted parameters, the errors fitted on every run (H200 or H100), errors of the cells
+    over no past or 128K when fitted on the others (held out), the V100 rows of --json: the
+    prefill kernel's where it ran, else the tile loop's)."""
     fitted = fit_prefill(prm, runs, sass)
     errs = [e for e, *_ in prefill_errors(fitted, runs, sass)]
     inner = [r for r in runs if r[0]["past"] not in (0, 131072)]
@@ -869,14 +915,15 @@ def prefill_report(prm, sass, runs) -> tuple[list, list, list]:
     held = (
         [e for e, *_ in prefill_errors(fit_prefill(prm, inner, sass), outer, sass)] if inner else []
     )
+    kernel = "prefill" if any(r[3] == "prefill" for r in runs) else "varlen"
     rows = []
     for D, G, H_kv, page in PREFILL_GRID["shapes"]:
         for chunk in PREFILL_GRID["chunks"]:
             for past in PREFILL_GRID["pasts"]:
                 c = dict(D=D, G=G, H_kv=H_kv, chunk=chunk, past=past, page=page)
-                lo = predict_prefill(c, "V100", sass, fitted, hmma_latency="lo")
-                hi = predict_prefill(c, "V100", sass, fitted, hmma_latency="hi")
-                rows.append(dict(cell=c, lo=lo, hi=hi))
+                lo = predict_prefill(c, "V100", sass, fitted, hmma_latency="lo", kernel=kernel)
+                hi = predict_prefill(c, "V100", sass, fitted, hmma_latency="hi", kernel=kernel)
+                rows.append(dict(cell=c, lo=lo, hi=hi, kernel=kernel))
     return fitted, errs, held, rows
 
 
@@ -967,13 +1014,13 @@ def main() -> int:
         pfit, perrs, pheld, prefill = prefill_report(prm, sass, pre_runs)
         print()
         print(
-            f"prefill (paged_attention_varlen): {len(perrs)} cells measured on {', '.join(sorted({g for *_, g in pre_runs}))}, |error| {summary(perrs)}"
+            f"prefill (paged_attention_varlen): {len(perrs)} cells measured on {', '.join(sorted({r[2] for r in pre_runs}))}, |error| {summary(perrs)}"
         )
         if pheld:
             print(
                 f"prefill held out: fitted without the no-past and 128K cells, those |error| {summary(pheld)}"
             )
-        print(", ".join(f"{k} {v:.3g}" for k, v in pfit.items() if k.startswith("c varlen")))
+        print(", ".join(f"{k} {v:.3g}" for k, v in pfit.items() if k.startswith(("c varlen", "c prefill"))))
         print(
             "V100 predictions (lo .. hi: HMMA latency hidden or not), D G H_kv chunk past: ms, TFLOP/s, bound"
         )
@@ -981,8 +1028,11 @@ def main() -> int:
             c, lo, hi = r["cell"], r["lo"], r["hi"]
             print(f"  D{c['D']} G{c['G']} H_kv{c['H_kv']} chunk {c['chunk']:>5} past {c['past']:>6}: "
                   f"{lo['ms']:8.2f} .. {hi['ms']:8.2f} ms, {hi['tflops']:5.1f} .. {lo['tflops']:5.1f} TFLOP/s, {hi['limiter']}")  # fmt: skip
+        designs = design_report(pfit, DESIGN_CELLS)
+        print()
+        print(design_table(designs))
     else:
-        prefill, perrs, pheld, pre_runs = [], [], [], []
+        prefill, perrs, pheld, pre_runs, designs = [], [], [], [], []
         print("prefill: no measured runs in docs/data (prefill_*.json): no V100 prefill figure")
     if a.json:
         cells = {tuple(c.values()): c for c, *_ in runs}.values()
@@ -996,9 +1046,12 @@ def main() -> int:
                 )
                 for r in prefill
             ],  # fmt: skip
+            prefill_designs=[dict(cell=r["cell"], design=r["design"], tile=r["tile"],
+                                  hi={k: r["hi"][k] for k in ("ms", "tflops")},
+                                  lo={k: r["lo"][k] for k in ("ms", "tflops")}) for r in designs],  # fmt: skip
             prefill_errors=perrs,  # fitted on every measured cell, in load_prefill_runs' order
             prefill_held_out_errors=pheld,
-            prefill_measured_on=sorted({g for *_, g in pre_runs}),
+            prefill_measured_on=sorted({r[2] for r in pre_runs}),
             params=prm,
             dynamic=dyn,
             h200_errors=errs,

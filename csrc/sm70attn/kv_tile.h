@@ -84,6 +84,18 @@ struct KvStage {
     }
   }
 
+  // One of the two tensors that load() staged (K: k[], and the token flags; V: v[]), for a kernel
+  // that stores V over K once every warp is done with K (prefill.cuh at D 256).
+  template <bool IS_V>
+  __device__ __forceinline__ void store_tensor(__half* T, int* tok_ok, int tid) const {
+    if (KT::ACTIVE == KT::THREADS || tid < KT::ACTIVE) {
+      const int j = token(tid), q = part0(tid);
+#pragma unroll
+      for (int l = 0; l < LPT; ++l) store_chunk(T + j * KT::KLD + (q + l * TPK) * KT::VEC, IS_V ? v[l] : k[l]);
+      if (!IS_V && q == 0) tok_ok[j] = ok;
+    }
+  }
+
   // One tensor at a time through one register stage (k[]; v[] stays unused), for a kernel that
   // stores V over K (paged_attention_rf.cuh): K's load also sets ok, and K's store the token
   // flags; a token not read is zeros. base: kb or vb as in load.

@@ -301,18 +301,15 @@ __global__ void __launch_bounds__(PT::THREADS, PT::MIN_BLOCKS) prefill_kernel(co
   const float sl2 = p.scale_log2 * __ldg(p.k_scale + kvh * p.k_scale_stride) * 256.f;
   const int first_last = row_last(0);
 
+  // The register stage holds the next tile's K and V (one page lookup a token for both); at
+  // D 256 its V waits in registers until every warp is done with K (V over K).
   KvStage<PT> st;
   __syncthreads();  // Q, meta and last_s stored
-  if constexpr (PT::V_OVER_K) {
-    st.template load_one<false>(p, kbase(), btab(), t_begin, t_end, tid);
-  } else {
-    st.load(p, kbase(), vbase(), btab(), t_begin, t_end, tid);
-  }
+  st.load(p, kbase(), vbase(), btab(), t_begin, t_end, tid);
   for (int t0 = t_begin; t0 < t_end; t0 += N) {
     __syncthreads();  // previous tile's PV done with K, V and P
     if constexpr (PT::V_OVER_K) {
-      st.template store_one<false>(Ks, tok_ok, reg_again<TID_X>());
-      st.template load_one<true>(p, vbase(), btab(), t0, t_end, reg_again<TID_X>());
+      st.template store_tensor<false>(Ks, tok_ok, reg_again<TID_X>());
     } else {
       st.store(Ks, Vs, tok_ok, reg_again<TID_X>());
     }
@@ -370,8 +367,8 @@ __global__ void __launch_bounds__(PT::THREADS, PT::MIN_BLOCKS) prefill_kernel(co
     __syncthreads();  // every warp done with K; the maxima are in red
 
     if constexpr (PT::V_OVER_K) {
-      st.template store_one<true>(Ks, tok_ok, reg_again<TID_X>());  // V over K
-      st.template load_one<false>(p, kbase(), btab(), t0 + N, t_end, reg_again<TID_X>());  // zeros past t_end
+      st.template store_tensor<true>(Ks, tok_ok, reg_again<TID_X>());  // V over K
+      if (t0 + N < t_end) st.load(p, kbase(), vbase(), btab(), t0 + N, t_end, reg_again<TID_X>());
     }
     // Online softmax with a lazy rescale (paged_attention_rf.cuh): the four warps of a row group
     // read the same maxima and hold the same m; a row that has seen nothing (m = -inf) gets
