@@ -29,6 +29,7 @@ A forward keeps its state on the device, so `generate(..., compile_config=...)` 
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from pathlib import Path
@@ -74,10 +75,36 @@ if (_why := version_refusal(transformers.__version__)) is not None:
 
 
 def register(name: str = NAME) -> str:
-    """Register the attention and its mask function under `name` (idempotent)."""
+    """Register the attention and its mask function under `name`, and show generate()'s
+    input_ids to a PagedE4M3Cache (`_watch_generate`). Idempotent."""
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, mask_function)
+    _watch_generate()
     return name
+
+
+def _watch_generate() -> None:
+    """Wrap transformers' GenerationMixin.prepare_inputs_for_generation (once) so that a
+    PagedE4M3Cache passed to generate() sees each step's whole input_ids before the step
+    (`PagedE4M3Cache._generating`). The model's forward gets only the ids past the cache's
+    length (generate slices them there), so inside it a new prompt longer than what the cache
+    holds looks like a continuation: both start at the cache's length. Only generate holds the
+    ids the cache is meant to hold; this is where it hands them to the model."""
+    from transformers import GenerationMixin
+
+    prepare = GenerationMixin.prepare_inputs_for_generation
+    if getattr(prepare, "_sm70attn", False):
+        return
+
+    @functools.wraps(prepare)  # its signature too: generate inspects it
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, PagedE4M3Cache):
+            cache._generating(input_ids, kwargs)
+        return prepare(self, input_ids, *args, **kwargs)
+
+    prepare_inputs_for_generation._sm70attn = True
+    GenerationMixin.prepare_inputs_for_generation = prepare_inputs_for_generation
 
 
 def compile_config(**kw):
@@ -361,10 +388,13 @@ class PagedE4M3Cache(Cache):
     (the padding on the left; every request within its pages and the reserve).
 
     Reuse: a cache that holds tokens continues them, as transformers' caches do (to continue,
-    pass the whole sequence so far); for a new prompt call reset() first. A forward whose
-    tokens do not start at each request's length (a new prompt on a used cache: generate()
-    feeds its last tokens past the cache's length) is flagged on the device and raised at the
-    next host check, as an overflow is; after either, every forward raises until reset().
+    pass the whole sequence so far); for a new prompt call reset() first. generate() on a used
+    cache refuses, before anything is stored, input_ids that do not start with the ids the
+    cache holds or are no longer than them (a new prompt, of any length: generate() would feed
+    it past the cache's length as a continuation); `register()` shows the cache generate()'s
+    input_ids. A forward whose tokens do not start at each request's length (a direct call
+    with other positions) is flagged on the device and raised at the next host check, as an
+    overflow is; after either flag, every forward raises until reset().
     """
 
     def __init__(self, config, max_tokens: int = 4096, max_batch_size: int = 1,
@@ -433,7 +463,7 @@ class PagedE4M3Cache(Cache):
     def reset(self):
         """Empty every request (the pools, scales, table and their addresses stay). Warns if a
         request went past its pages since the last check (its last tokens were not stored)."""
-        self._unread = None
+        self._unread = self._seen_ids = None
         self.pager.reset(stacklevel=3)
 
     def get_seq_length(self, layer_idx: int = 0):
@@ -517,7 +547,7 @@ class PagedE4M3Cache(Cache):
         lengths and flags of the same batch size and device are kept (a compiled step's CUDA
         graph reads them where they are): they must be empty (reset() first)."""
         if self.pager.start(batch, device):
-            self._unread = None
+            self._unread = self._seen_ids = None
 
     # -- calibration -----------------------------------------------------------------------------
     def scales(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -535,6 +565,50 @@ class PagedE4M3Cache(Cache):
         self, empty."""
         self.quant.calibrate(self, model, input_ids, attention_mask, headroom)
         return self
+
+    # -- generate() ---------------------------------------------------------------------------------
+    _seen_ids: torch.Tensor | None = None  # the input_ids of generate()'s last step through here
+
+    def _generating(self, input_ids, kwargs) -> None:
+        """generate()'s input_ids ([B, T], the whole sequence so far) before a step's forward
+        (`_watch_generate`; kwargs: the step's). Its first step on a cache that holds tokens,
+        where the attention mask is as wide as input_ids (not a chunked prefill), must continue
+        them: input_ids longer than what the cache holds and starting with the ids of the last
+        step through it (the ids it holds), else the prompt is refused before anything is
+        stored (two host reads: the length, the comparison). The other steps keep a reference
+        to input_ids and read nothing (decode stays asynchronous)."""
+        if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
+            return
+        mask = kwargs.get("attention_mask")
+        whole = mask is None or mask.dim() != 2 or mask.shape[1] == input_ids.shape[1]
+        if kwargs.get("is_first_iteration") and whole and not self.pager.empty:
+            self._check_continues(input_ids)
+        self._seen_ids = input_ids
+
+    def _check_continues(self, ids: torch.Tensor) -> None:
+        """Refuse generate()'s ids [B, T] unless they continue what the cache holds."""
+        self.pager.refuse_if_stale()
+        held = self.get_seq_length()
+        if not held:
+            return
+        (B, T), seen, differ = ids.shape, self._seen_ids, []
+        if T > held and seen is not None and seen.shape[0] == B:  # else the batch check says
+            n = min(held, seen.shape[1])
+            differ = (ids[:, :n] != seen[:, :n].to(ids.device)).any(1).nonzero().flatten().tolist()
+        if T > held and not differ:
+            return
+        why = (
+            f"request(s) {differ} do not start with the ids it holds"
+            if differ
+            else f"they are {T} tokens, not more than the {held} it holds"
+        )
+        raise ValueError(
+            f"PagedE4M3Cache holds up to {held} tokens a request and generate()'s input_ids "
+            f"{[B, T]} do not continue them ({why}): a new prompt on a used cache, which "
+            "generate() would slice past the tokens held as if it continued them. For a new "
+            "prompt call cache.reset() first; to continue, pass the whole sequence so far (the "
+            "last output's ids, then the new ones). Nothing was stored"
+        )
 
     # -- a forward ----------------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
