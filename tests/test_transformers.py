@@ -184,6 +184,30 @@ def test_errors_say_what_to_do(model):
             model(prompt(), cache=hf.PagedE4M3Cache(fewer, max_tokens=256, k_scale=KS, v_scale=VS))
 
 
+def test_calibrate_refuses_what_is_not_a_batch_of_ids_before_any_forward(model):
+    """cache.calibrate(model, ids) checked nothing: 1-D ids failed inside the model ("The size
+    of tensor a (12) must match the size of tensor b (256)"), float ids in torch's embedding.
+    It says what to pass as speculative.generate does."""
+    ids = prompt(seed=10)
+    cache = hf.PagedE4M3Cache(model.config, max_tokens=256)
+    bad = [
+        (ValueError, r"calibrate: input_ids is 1-D \[30\]; .*ids\[None\] for one request", ids[0], None),
+        (TypeError, r"calibrate: input_ids is a torch.float32 tensor; pass a \[B, T\] integer",
+         ids.float(), None),
+        (TypeError, r"calibrate: input_ids is a list", ids[0].tolist(), None),
+        (ValueError, r"calibrate: input_ids holds token ids outside \[0, 256\), the model's "
+         "vocab_size", ids + 256, None),
+        (ValueError, r"calibrate: attention_mask is \[1, 29\], input_ids \[1, 30\]: pass one of "
+         "its shape", ids, ids[:, 1:]),
+    ]  # fmt: skip
+    for err, words, x, mask in bad:
+        with pytest.raises(err, match=r"PagedE4M3Cache\." + words):
+            cache.calibrate(model, x, mask)
+    assert cache.lens is None and cache.scales() == ([None, None], [None, None])  # nothing ran
+    cache.calibrate(model, ids)
+    assert all(s is not None for s in cache.scales()[0])
+
+
 def test_an_older_transformers_is_refused_at_import_with_the_fix():
     """transformers before 5.24 drops generate's cache argument ("model_kwargs are not used by
     the model: ['cache']", seen on a GPU machine with 5.17): the adapter's import says so."""

@@ -182,6 +182,56 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+# --- token ids (the calls that take them: calibrate, the speculative loops) ------------------
+def _vocab(model) -> int | None:
+    return getattr(text_config(model.config), "vocab_size", None)
+
+
+def _is_ids(t: torch.Tensor) -> bool:
+    """An integer tensor (token ids): not floating point, complex or bool."""
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def _check_vocab(ids: torch.Tensor, vocab: int | None, what: str) -> None:
+    """ids (non-empty) within [0, vocab), the model's vocab_size (None: not known)."""
+    if vocab is not None and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+        raise ValueError(
+            f"{what} holds token ids outside [0, {vocab}), the model's vocab_size (ids of "
+            "another tokenizer?)"
+        )
+
+
+def _check_batch(ids, mask, vocab: int | None, who: str) -> None:
+    """A batch of prompts (who: the call taking it, for the errors): input_ids a [B, T] integer
+    tensor of ids in [0, vocab), T >= 1, attention_mask (if given) of its shape, with at least
+    one token a row."""
+    want = "a [B, T] integer tensor (torch.tensor([ids]) for one request)"
+    if not torch.is_tensor(ids):
+        raise TypeError(f"{who}: input_ids is a {type(ids).__name__}; pass {want}")
+    if ids.dim() != 2:
+        fix = ": ids[None] for one request" if ids.dim() == 1 else ""
+        raise ValueError(f"{who}: input_ids is {ids.dim()}-D {list(ids.shape)}; pass {want}{fix}")
+    if not _is_ids(ids):
+        raise TypeError(f"{who}: input_ids is a {ids.dtype} tensor; pass {want}")
+    if ids.numel() == 0:
+        raise ValueError(
+            f"{who}: input_ids {list(ids.shape)} holds no tokens; each request needs one"
+        )
+    _check_vocab(ids, vocab, f"{who}: input_ids")
+    if mask is None:
+        return
+    if not torch.is_tensor(mask) or mask.shape != ids.shape:
+        got = list(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+        raise ValueError(
+            f"{who}: attention_mask is {got}, input_ids {list(ids.shape)}: pass one of its shape"
+        )
+    empty = (mask.to("cpu") == 0).all(1).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"{who}: attention_mask row {empty[0]} holds no tokens; each request needs one"
+        )
+
+
 # --- the cache ---------------------------------------------------------------------------------
 class _Layer(CacheLayerMixin):
     """One layer's pools and scales; the table and lengths are the PagedE4M3Cache's (its
@@ -561,8 +611,10 @@ class PagedE4M3Cache(Cache):
     def calibrate(self, model, input_ids, attention_mask=None, headroom: float = HEADROOM):
         """Set every layer's scales from one forward of a sample (its real tokens: padding is
         left out): amax per KV head / 448 x headroom. The scales then stay, through reset(),
-        for every batch: a request's tokens no longer depend on the other requests. Returns
-        self, empty."""
+        for every batch: a request's tokens no longer depend on the other requests. input_ids:
+        a [B, T] integer tensor of the model's token ids, checked as speculative.generate checks
+        its own (attention_mask: its shape, 0 for left padding). Returns self, empty."""
+        _check_batch(input_ids, attention_mask, _vocab(model), "PagedE4M3Cache.calibrate")
         self.quant.calibrate(self, model, input_ids, attention_mask, headroom)
         return self
 
