@@ -406,23 +406,25 @@ class PagedE4M3Cache(Cache):
     """A paged float8_e4m3fn KV cache for transformers models, usable under torch.compile
     and CUDA graphs (`is_compileable`).
 
-    config: the model's config (its layer count). max_tokens: the token budget of the batch;
-    every layer has max_tokens / page_size pages of [page_size, H_kv, D], H_kv and D taken
-    from the first tokens stored (under tensor parallelism, the rank's own KV heads).
+    config: the model's config (`model.config`; only its layer count is read). max_tokens: the
+    token budget of the batch; every layer has max_tokens / page_size pages of [page_size,
+    H_kv, D], H_kv and D taken from the first tokens stored (under tensor parallelism, the
+    rank's own KV heads), never from the config: a config of other heads or head dim sizes the
+    pools as the model's own would.
     max_batch_size: the largest batch. A batch of B requests gives each request max_tokens / B
     tokens of pages (its table's capacity; a request's results equal it alone when the
     capacity is the same). reserve: tokens each request will add after its prompt
     (max_new_tokens, plus the drafts of a verify step): the prompt is refused before anything
     is stored if a request's prompt + reserve does not fit, with the max_tokens it needs.
 
-    Scales (k_scale, v_scale): a float, or a tensor of H_kv values, for every layer; or a list
-    of one such per layer (`kv_scales_from_checkpoint` reads a quantized checkpoint's); or None
-    (the default): each layer calibrates per KV head from the first tokens it stores (amax /
-    448 with 2x headroom), which makes the scales, and so every request's tokens, depend on
-    the first batch. `calibrate(model, sample_ids)` sets them from a sample instead. `reset()`
-    keeps the scales (and the pools); only the lengths go. Values beyond 448 x scale saturate:
-    the prompt and prefill forwards (more than 16 rows, eager) count them (`saturated`) and
-    warn once with the fraction.
+    Scales (k_scale, v_scale, both or neither): a float, or a tensor of H_kv values, for every
+    layer; or a list of one such per layer (`kv_scales_from_checkpoint` reads a quantized
+    checkpoint's); or None (the default): each layer calibrates per KV head from the first
+    tokens it stores (amax / 448 with 2x headroom), which makes the scales, and so every
+    request's tokens, depend on the first batch. `calibrate(model, sample_ids)` sets them from
+    a sample instead. `reset()` keeps the scales (and the pools); only the lengths go. Values
+    beyond 448 x scale saturate: the prompt and prefill forwards (more than 16 rows, eager)
+    count them (`saturated`) and warn once with the fraction.
 
     State on the device: the block table (fixed once the batch is known), the lengths [B] int32
     and per-request flags (`slot_table`, a paging.SlotTable; read through `table`, `lens` and
@@ -449,12 +451,19 @@ class PagedE4M3Cache(Cache):
 
     def __init__(self, config, max_tokens: int = 4096, max_batch_size: int = 1,
                  page_size: int = 16, k_scale=None, v_scale=None, reserve: int = 0):  # fmt: skip
-        cfg = text_config(config)
+        cfg = _check_config(config)
         self.pager = paging.Pager(max_tokens, page_size, max_batch_size, reserve)
         self.reserve = reserve
         n = cfg.num_hidden_layers
         ks = paging.per_layer_scales(k_scale, n, "PagedE4M3Cache: k_scale")
         vs = paging.per_layer_scales(v_scale, n, "PagedE4M3Cache: v_scale")
+        if (k_scale is None) != (v_scale is None):
+            given, missing = ("k_scale", "v_scale") if v_scale is None else ("v_scale", "k_scale")
+            raise ValueError(
+                f"PagedE4M3Cache: {given} given without {missing}: give both (a checkpoint's: "
+                "kv_scales_from_checkpoint(folder) returns both), or neither to calibrate both "
+                "from the first forward or cache.calibrate(model, ids)"
+            )
         super().__init__(layers=[_Layer(self, ks[i], vs[i]) for i in range(n)])
         self._config = cfg  # for the attention implementation in error messages
         self.quant = _Scales()  # the scales' source, and the saturation counts
@@ -701,6 +710,23 @@ class PagedE4M3Cache(Cache):
         if Q > MAX_ROWS or self.pager.root is not self.pager:  # a prompt, a view's chunk
             self.quant.count(layer_idx, last, key_states, value_states, plan.valid, layer, tokens)
         return layer, plan
+
+
+def _check_config(config):
+    """The language model's config of what PagedE4M3Cache was given: a transformers config
+    with num_hidden_layers, not the model itself."""
+    if isinstance(config, torch.nn.Module):
+        raise TypeError(
+            f"PagedE4M3Cache takes the model's config, got the model ({type(config).__name__}): "
+            "pass model.config"
+        )
+    cfg = text_config(config)
+    if not isinstance(getattr(cfg, "num_hidden_layers", None), int):
+        raise TypeError(
+            f"PagedE4M3Cache takes the model's config (its num_hidden_layers), got a "
+            f"{type(config).__name__}: pass model.config"
+        )
+    return cfg
 
 
 def _check_layer(layer_idx: int, layers: int) -> None:
