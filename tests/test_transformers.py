@@ -276,6 +276,25 @@ def test_cli_mistakes_are_one_message_and_a_nonzero_exit():
     assert r.returncode == 1 and "Traceback" in r.stderr and "FileNotFoundError" in r.stderr
 
 
+def test_a_demo_context_too_long_says_the_largest_it_can_take():
+    """`demo --context 10000000` said "use a shorter context" and not how short: the largest
+    prompt the shipped text gives, which is then accepted."""
+    from helpers_cli import cli
+
+    from torch_sm70attn.integrations import shipped
+
+    r = cli("demo", "--device", "cpu", "--context", "10000000", "--new-tokens", "3")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    largest = re.search(r"use a shorter context, at most (\d+) tokens", r.stderr)
+    assert largest, r.stderr
+    _, tok = shipped.load("cpu")
+    stream = shipped.own_source(tok)
+    n = int(largest[1])
+    assert shipped.continuations(stream, shipped.eot_id(tok), n, 1).shape == (1, n)
+    with pytest.raises(ValueError, match=f"at most {n} tokens"):
+        shipped.continuations(stream, shipped.eot_id(tok), n + 1, 1)
+
+
 def test_demo_names_a_near_tie_at_the_first_difference():
     """The demo's line at a request's first token that differs from stock's: stock's gap there,
     as a share of its logits' range, a near tie under 1%."""
