@@ -34,6 +34,10 @@ def test_readme_model_example_runs_as_written(capsys, caplog):
     assert c["store_kv_rewrite"] == 2 * graphs and not c.get("store_refused"), dict(c)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert "paged_attention_rewrite" in printed
+    # the comment on the print says what it prints (it said 2 and 2 where it printed 6 and 6)
+    said = re.search(r"# (\d+) graphs .*: (\d+), (\d+)\n", example())
+    rewrites = (graphs, c["paged_attention_rewrite"], c["store_kv_rewrite"])
+    assert said and rewrites == tuple(map(int, said.groups())), (said, rewrites)
     logits = ns["logits"]
     assert logits.shape == (2, 4, 512) and torch.isfinite(logits.float()).all()
     # The last (verify) step again, eagerly: it rewrites the same slots (eager's slot -1 lands
