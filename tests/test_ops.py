@@ -359,6 +359,19 @@ def test_cli_build_without_gpu_or_arch_list():
     r = cli("build", CUDA_VISIBLE_DEVICES="", TORCH_CUDA_ARCH_LIST="")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "no CUDA device and no TORCH_CUDA_ARCH_LIST" in r.stderr
+    assert "For V100s, TORCH_CUDA_ARCH_LIST=7.0 python -m torch_sm70attn build" in r.stderr
+
+
+def test_cli_help_gives_every_option_its_words_and_default():
+    """`check --reps` had no help; demo's --batch, --draft and --runs showed no default."""
+    out = " ".join(cli("check", "--help").stdout.split())
+    assert "--reps REPS timed calls of each path, their median reported (default: 5)" in out, out
+    assert "--context CONTEXT longest request, tokens (default: 5000)" in out, out
+    out = " ".join(cli("demo", "--help").stdout.split())
+    for words in ("--batch BATCH concurrent requests (default: 1)",
+                  "--draft DRAFT prompt-lookup draft tokens (default: 4)",
+                  "(default: 3)", "--new-tokens NEW_TOKENS tokens to generate (default: CPU 32"):  # fmt: skip
+        assert words in out, (words, out)
 
 
 def test_cli_build_for_sm70_without_the_cuda12_extra_is_one_message():

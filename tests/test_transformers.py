@@ -184,6 +184,58 @@ def test_errors_say_what_to_do(model):
             model(prompt(), cache=hf.PagedE4M3Cache(fewer, max_tokens=256, k_scale=KS, v_scale=VS))
 
 
+def test_the_cache_is_made_from_the_models_config_and_both_scales_or_neither(model):
+    """PagedE4M3Cache(model) was a bare AttributeError ("'Qwen3ForCausalLM' object has no
+    attribute 'num_hidden_layers'"), and a k_scale without a v_scale was taken (the other
+    calibrated from the first forward): both name the fix now."""
+    for wrong, words in ((model, r"got the model \(Qwen3ForCausalLM\): pass model.config"),
+                         ({"num_hidden_layers": 2}, r"got a dict: pass model.config")):  # fmt: skip
+        with pytest.raises(TypeError, match=words):
+            hf.PagedE4M3Cache(wrong, max_tokens=256)
+    for kw, words in ((dict(k_scale=KS), "k_scale given without v_scale: give both"),
+                      (dict(v_scale=[VS, VS]), "v_scale given without k_scale: give both")):  # fmt: skip
+        with pytest.raises(ValueError, match=words + r".*or neither to calibrate"):
+            hf.PagedE4M3Cache(model.config, max_tokens=256, **kw)
+
+
+def test_a_config_of_other_heads_sizes_the_pools_as_the_models_own(model):
+    """The cache reads only num_hidden_layers from its config; its pools take the KV heads and
+    head dim of the first tokens stored (so that a tensor-parallel rank's pools hold its own
+    heads). A config of 1 KV head and head dim 64 for this model (2 and 128) is harmless: the
+    same pools, the same tokens."""
+    other = tiny(head_dim=64)
+    other.num_key_value_heads = 1
+    ids = prompt(seed=9)
+    mine, theirs = paged(model), hf.PagedE4M3Cache(other, max_tokens=256, k_scale=KS, v_scale=VS)
+    want, got = generate(model, ids, mine), generate(model, ids, theirs)
+    assert torch.equal(got, want)
+    assert theirs.layers[0].keys.shape == mine.layers[0].keys.shape == (16, 16, 2, 128)
+
+
+def test_calibrate_refuses_what_is_not_a_batch_of_ids_before_any_forward(model):
+    """cache.calibrate(model, ids) checked nothing: 1-D ids failed inside the model ("The size
+    of tensor a (12) must match the size of tensor b (256)"), float ids in torch's embedding.
+    It says what to pass as speculative.generate does."""
+    ids = prompt(seed=10)
+    cache = hf.PagedE4M3Cache(model.config, max_tokens=256)
+    bad = [
+        (ValueError, r"calibrate: input_ids is 1-D \[30\]; .*ids\[None\] for one request", ids[0], None),
+        (TypeError, r"calibrate: input_ids is a torch.float32 tensor; pass a \[B, T\] integer",
+         ids.float(), None),
+        (TypeError, r"calibrate: input_ids is a list", ids[0].tolist(), None),
+        (ValueError, r"calibrate: input_ids holds token ids outside \[0, 256\), the model's "
+         "vocab_size", ids + 256, None),
+        (ValueError, r"calibrate: attention_mask is \[1, 29\], input_ids \[1, 30\]: pass one of "
+         "its shape", ids, ids[:, 1:]),
+    ]  # fmt: skip
+    for err, words, x, mask in bad:
+        with pytest.raises(err, match=r"PagedE4M3Cache\." + words):
+            cache.calibrate(model, x, mask)
+    assert cache.lens is None and cache.scales() == ([None, None], [None, None])  # nothing ran
+    cache.calibrate(model, ids)
+    assert all(s is not None for s in cache.scales()[0])
+
+
 def test_an_older_transformers_is_refused_at_import_with_the_fix():
     """transformers before 5.24 drops generate's cache argument ("model_kwargs are not used by
     the model: ['cache']", seen on a GPU machine with 5.17): the adapter's import says so."""
@@ -222,6 +274,25 @@ def test_cli_mistakes_are_one_message_and_a_nonzero_exit():
         assert "--debug demo" in r.stderr, r.stderr
     r = cli("--debug", *cases[0][0])
     assert r.returncode == 1 and "Traceback" in r.stderr and "FileNotFoundError" in r.stderr
+
+
+def test_a_demo_context_too_long_says_the_largest_it_can_take():
+    """`demo --context 10000000` said "use a shorter context" and not how short: the largest
+    prompt the shipped text gives, which is then accepted."""
+    from helpers_cli import cli
+
+    from torch_sm70attn.integrations import shipped
+
+    r = cli("demo", "--device", "cpu", "--context", "10000000", "--new-tokens", "3")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    largest = re.search(r"use a shorter context, at most (\d+) tokens", r.stderr)
+    assert largest, r.stderr
+    _, tok = shipped.load("cpu")
+    stream = shipped.own_source(tok)
+    n = int(largest[1])
+    assert shipped.continuations(stream, shipped.eot_id(tok), n, 1).shape == (1, n)
+    with pytest.raises(ValueError, match=f"at most {n} tokens"):
+        shipped.continuations(stream, shipped.eot_id(tok), n + 1, 1)
 
 
 def test_demo_names_a_near_tie_at_the_first_difference():
@@ -280,7 +351,9 @@ def test_cache_pages_slots_and_stored_values():
     and scales (the whole table, and the pages in use for the prefill route); crop lets the next
     write reuse the slots of rejected tokens."""
     cfg = tiny(vocab=64, hidden=128, heads=4, head_dim=64)
-    cache = hf.PagedE4M3Cache(cfg, max_tokens=96, max_batch_size=2, page_size=16, k_scale=0.5)
+    cache = hf.PagedE4M3Cache(
+        cfg, max_tokens=96, max_batch_size=2, page_size=16, k_scale=0.5, v_scale=[0.25, 0.5]
+    )
     g = torch.Generator().manual_seed(0)
 
     def step(Q):
@@ -298,7 +371,7 @@ def test_cache_pages_slots_and_stored_values():
     assert plan.pages == 2 and plan.lens.tolist() == [20, 20]
     assert plan.table.tolist() == [[0, 1, 2], [3, 4, 5]] and plan.rows == 20
     assert plan.slots.view(2, 20)[1, 19] == 4 * 16 + 3 and got[0][1] is plan  # layer 0's plan
-    assert layer.k_scale.tolist() == [0.5, 0.5] and layer.v_scale.shape == (2,)  # v calibrated
+    assert layer.k_scale.tolist() == [0.5, 0.5] and layer.v_scale.tolist() == [0.5, 0.5]
     want = (k[1, :, 19].float() / 0.5).to(FP8)  # request 1, position 19: page 4, offset 3
     assert torch.equal(layer.keys[4, 3].view(torch.uint8), want.view(torch.uint8))
     assert cache.plan is None  # the forward is over

@@ -53,6 +53,25 @@ def test_one_kind_of_request_is_paged_attentions_bits():
     assert torch.equal(got, want)
 
 
+def test_a_left_padded_prompt_gets_the_bits_of_its_rows_alone():
+    """A prompt of 300 rows behind 100 rows of left padding (a transformers batch's shorter
+    request: q = 400 > seq_len = 300, the first 100 rows see nothing) gives its 300 rows the
+    bits of the same prompt unpadded. The reference's row blocks (ROW_BLOCK rows) end at the
+    request's last row, so padding moves no real row to another block; blocks counted from the
+    first (padding) row put each row's keys in sums of other lengths, off by a rounding."""
+    from torch_sm70attn.reference import ROW_BLOCK
+
+    p = make_varlen_problem(q_lens=(300,), pasts=(0,), G=6, D=128, H_kv=1, pad_tokens=0)
+    assert 300 > ROW_BLOCK  # more rows than a block: the case that differed
+    g = torch.Generator().manual_seed(5)
+    pad = torch.randn(100, *p["query"].shape[1:], generator=g).half()
+    padded = dict(p, query=torch.cat([pad, p["query"]]),
+                  query_start_loc=torch.tensor([0, 400], dtype=torch.int32))  # fmt: skip
+    alone, got = call(p), call(padded)
+    assert got[:100].eq(0).all()
+    assert torch.equal(got[100:], alone)
+
+
 def test_rows_that_see_nothing_are_zero():
     """q > seq_len: the first q - seq_len rows see nothing (0, never NaN); seq_len 0 too."""
     p = make_varlen_problem(q_lens=(8, 4), pasts=(0, 0))

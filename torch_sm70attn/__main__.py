@@ -115,7 +115,11 @@ def _build_archs() -> list[str]:
 def build(args) -> int:
     archs = _build_archs()
     if not archs:
-        print("no CUDA device and no TORCH_CUDA_ARCH_LIST: nothing to build for", file=sys.stderr)
+        print(
+            "no CUDA device and no TORCH_CUDA_ARCH_LIST: nothing to build for. For V100s, "
+            "TORCH_CUDA_ARCH_LIST=7.0 python -m torch_sm70attn build",
+            file=sys.stderr,
+        )
         return 1
     status = 0
     if torch.version.cuda is None:
@@ -295,19 +299,42 @@ def main(argv=None) -> int:
     d.add_argument(
         "--context",
         type=_at_least(1),
-        help="prompt tokens (CPU 1024; GPU 32768 less the new tokens and drafts)",
+        help="prompt tokens (default: CPU 1024; GPU 32768 less the new tokens and drafts; at "
+        "most what the shipped text holds, which a longer one's error says)",
     )
-    d.add_argument("--batch", type=_at_least(1), default=1, help="concurrent requests")
+    d.add_argument(
+        "--batch", type=_at_least(1), default=1, help="concurrent requests (default: %(default)s)"
+    )
     d.add_argument("--model", help="a transformers model folder (default: the shipped model)")
-    d.add_argument("--draft", type=_at_least(1), default=4, help="prompt-lookup draft tokens")
-    d.add_argument("--new-tokens", type=_at_least(3), help="tokens to generate (CPU 32, GPU 64)")
-    d.add_argument("--runs", type=_at_least(1), default=3, help="timed runs of each path")
+    d.add_argument(
+        "--draft",
+        type=_at_least(1),
+        default=4,
+        help="prompt-lookup draft tokens (default: %(default)s)",
+    )
+    d.add_argument(
+        "--new-tokens", type=_at_least(3), help="tokens to generate (default: CPU 32, GPU 64)"
+    )
+    d.add_argument(
+        "--runs",
+        type=_at_least(1),
+        default=3,
+        help="timed runs of each path, after one warm-up run (default: %(default)s)",
+    )
     c = sub.add_parser("check", help="one paged decode + verify step, checked against SDPA")
     c.add_argument("--device", type=_demo_device, help="cpu or cuda (default: cuda if present)")
     c.add_argument(
-        "--context", type=_at_least(VERIFY_Q), default=5000, help="longest request, tokens"
+        "--context",
+        type=_at_least(VERIFY_Q),
+        default=5000,
+        help="longest request, tokens (default: %(default)s)",
     )
-    c.add_argument("--reps", type=_at_least(1), default=5)
+    c.add_argument(
+        "--reps",
+        type=_at_least(1),
+        default=5,
+        help="timed calls of each path, their median reported (default: %(default)s)",
+    )
     args = ap.parse_args(argv)
     run = {"info": info, "build": build, "demo": demo, "check": check}[args.cmd]
     if args.debug:

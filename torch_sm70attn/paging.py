@@ -565,13 +565,17 @@ class Pager:
     def poll(self) -> None:
         """Before a step, without waiting for the GPU: refuse it if the cache is stale, raise
         the flags of the copy `SlotTable.poll` started at the previous call."""
+        self.refuse_if_stale()
+        if self.slot_table is not None:
+            self.raise_flags(*self.slot_table.poll())
+
+    def refuse_if_stale(self) -> None:
+        """Raise if an earlier error left the cache unusable until reset()."""
         if self.root.stale:
             raise RuntimeError(
                 f"PagedE4M3Cache: {self.root.stale} (an earlier error said so), and the cache "
                 "still holds it: call cache.reset() before the next prompt"
             )
-        if self.slot_table is not None:
-            self.raise_flags(*self.slot_table.poll())
 
     def raise_flags(self, full: list[bool], astray: list[bool]) -> None:
         """Raise for the requests flagged (full: past their pages; astray: a step that did not

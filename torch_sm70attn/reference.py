@@ -69,14 +69,16 @@ def paged_attention_varlen(
 ):
     """Request b's rows query[qsl[b]:qsl[b+1]] (q rows) are paged_attention's rows of a request
     of Q = q: row i sees t <= seq_lens[b] - q + i. Rows from qsl[B] on are 0. Row blocks of
-    ROW_BLOCK go through paged_attention with their own length (the rule shifts with the block)."""
+    ROW_BLOCK go through paged_attention with their own length (the rule shifts with the block),
+    counted back from the request's last row: a left-padded request's real rows fall in the
+    blocks they take alone (a block's key count sets how its sums round)."""
     T, H_q, D = query.shape
     out = torch.zeros(T, H_q, D, dtype=torch.float16, device=query.device)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     for b, L in enumerate(lens):
         s, e = qsl[b], qsl[b + 1]
-        for i0 in range(s, e, ROW_BLOCK):
-            i1 = min(e, i0 + ROW_BLOCK)
+        for i1 in range(e, s, -ROW_BLOCK):
+            i0 = max(s, i1 - ROW_BLOCK)
             q = query[i0:i1].transpose(0, 1)[None]  # [1, H_q, rows, D]
             L_blk = L - (e - i1)  # the block's last row is the request's row i1 - 1 - s
             o = paged_attention(

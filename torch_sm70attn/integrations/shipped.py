@@ -90,12 +90,13 @@ def continuations(stream: torch.Tensor, eot: int, ctx: int, n: int, min_file=153
     spread over the stream (repeated where it has fewer)."""
     starts = file_starts(stream, eot)
     ends = starts[1:] + [stream.numel()]
-    cut = [s + (e - s) // 3 for s, e in zip(starts, ends, strict=True) if e - s >= min_file]
-    cut = [c for c in cut if c >= ctx]
+    every = [s + (e - s) // 3 for s, e in zip(starts, ends, strict=True) if e - s >= min_file]
+    cut = [c for c in every if c >= ctx]
     if not cut:
         raise ValueError(
             f"no file of {min_file} tokens or more ends a third in after {ctx} tokens of this "
-            f"text ({stream.numel()} tokens): use a shorter context"
+            f"text ({stream.numel()} tokens): use a shorter context, at most "
+            f"{max(every, default=0)} tokens"
         )
     pick = torch.linspace(0, len(cut) - 1, n).long().tolist()
     return torch.stack([stream[cut[i] - ctx : cut[i]] for i in pick])

@@ -27,7 +27,14 @@ import time
 
 import torch
 
-from .transformers import PagedE4M3Cache, positions, text_config
+from .transformers import (
+    PagedE4M3Cache,
+    _check_batch,
+    _check_vocab,
+    _is_ids,
+    _vocab,
+    positions,
+)
 
 
 @dataclasses.dataclass
@@ -84,7 +91,7 @@ def generate(
     generation_config.eos_token_id, as model.generate stops; [] for none."""
     if max_new_tokens < 1 or drafts < 1:
         raise ValueError("speculative.generate: need max_new_tokens >= 1 and drafts >= 1")
-    _check_batch(input_ids, attention_mask, _vocab(model))
+    _check_batch(input_ids, attention_mask, _vocab(model), "speculative.generate")
     _check_cache(cache, "speculative.generate", "cache")
     _check_assistant(model, assistant, "speculative.generate")
     eos = _eos(model, eos_token_id)
@@ -350,10 +357,6 @@ def _eos(model, eos_token_id) -> set:
     return set() if eos_token_id is None else set(torch.tensor(eos_token_id).reshape(-1).tolist())
 
 
-def _vocab(model) -> int | None:
-    return getattr(text_config(model.config), "vocab_size", None)
-
-
 def _check_prompts(prompts, vocab: int | None) -> None:
     """serve's prompts: a list (or tuple) of 1-D integer tensors of ids in [0, vocab), each one
     request's real tokens. A 2-D tensor is refused: its rows may hold padding, which would be
@@ -380,51 +383,6 @@ def _check_prompts(prompts, vocab: int | None) -> None:
         if p.numel() == 0:
             raise ValueError(f"speculative.serve: prompt {i} holds no tokens")
         _check_vocab(p, vocab, f"speculative.serve: prompt {i}")
-
-
-def _is_ids(t: torch.Tensor) -> bool:
-    """An integer tensor (token ids): not floating point, complex or bool."""
-    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
-
-
-def _check_vocab(ids: torch.Tensor, vocab: int | None, what: str) -> None:
-    """ids (non-empty) within [0, vocab), the model's vocab_size (None: not known)."""
-    if vocab is not None and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
-        raise ValueError(
-            f"{what} holds token ids outside [0, {vocab}), the model's vocab_size (ids of "
-            "another tokenizer?)"
-        )
-
-
-def _check_batch(ids, mask, vocab: int | None) -> None:
-    """generate's batch: input_ids a [B, T] integer tensor of ids in [0, vocab), T >= 1,
-    attention_mask (if given) of its shape, with at least one token a row."""
-    who = "speculative.generate"
-    want = "a [B, T] integer tensor (torch.tensor([ids]) for one request)"
-    if not torch.is_tensor(ids):
-        raise TypeError(f"{who}: input_ids is a {type(ids).__name__}; pass {want}")
-    if ids.dim() != 2:
-        fix = ": ids[None] for one request" if ids.dim() == 1 else ""
-        raise ValueError(f"{who}: input_ids is {ids.dim()}-D {list(ids.shape)}; pass {want}{fix}")
-    if not _is_ids(ids):
-        raise TypeError(f"{who}: input_ids is a {ids.dtype} tensor; pass {want}")
-    if ids.numel() == 0:
-        raise ValueError(
-            f"{who}: input_ids {list(ids.shape)} holds no tokens; each request needs one"
-        )
-    _check_vocab(ids, vocab, f"{who}: input_ids")
-    if mask is None:
-        return
-    if not torch.is_tensor(mask) or mask.shape != ids.shape:
-        got = list(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
-        raise ValueError(
-            f"{who}: attention_mask is {got}, input_ids {list(ids.shape)}: pass one of its shape"
-        )
-    empty = (mask.to("cpu") == 0).all(1).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(
-            f"{who}: attention_mask row {empty[0]} holds no tokens; each request needs one"
-        )
 
 
 def _check_cache(cache, who: str, name: str) -> None:

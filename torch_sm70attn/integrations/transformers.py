@@ -29,6 +29,7 @@ A forward keeps its state on the device, so `generate(..., compile_config=...)` 
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from pathlib import Path
@@ -74,10 +75,36 @@ if (_why := version_refusal(transformers.__version__)) is not None:
 
 
 def register(name: str = NAME) -> str:
-    """Register the attention and its mask function under `name` (idempotent)."""
+    """Register the attention and its mask function under `name`, and show generate()'s
+    input_ids to a PagedE4M3Cache (`_watch_generate`). Idempotent."""
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, mask_function)
+    _watch_generate()
     return name
+
+
+def _watch_generate() -> None:
+    """Wrap transformers' GenerationMixin.prepare_inputs_for_generation (once) so that a
+    PagedE4M3Cache passed to generate() sees each step's whole input_ids before the step
+    (`PagedE4M3Cache._generating`). The model's forward gets only the ids past the cache's
+    length (generate slices them there), so inside it a new prompt longer than what the cache
+    holds looks like a continuation: both start at the cache's length. Only generate holds the
+    ids the cache is meant to hold; this is where it hands them to the model."""
+    from transformers import GenerationMixin
+
+    prepare = GenerationMixin.prepare_inputs_for_generation
+    if getattr(prepare, "_sm70attn", False):
+        return
+
+    @functools.wraps(prepare)  # its signature too: generate inspects it
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, PagedE4M3Cache):
+            cache._generating(input_ids, kwargs)
+        return prepare(self, input_ids, *args, **kwargs)
+
+    prepare_inputs_for_generation._sm70attn = True
+    GenerationMixin.prepare_inputs_for_generation = prepare_inputs_for_generation
 
 
 def compile_config(**kw):
@@ -153,6 +180,56 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """position_ids of a left-padded batch as generate() computes them: each request's real
     tokens count from 0 (padding gets 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# --- token ids (the calls that take them: calibrate, the speculative loops) ------------------
+def _vocab(model) -> int | None:
+    return getattr(text_config(model.config), "vocab_size", None)
+
+
+def _is_ids(t: torch.Tensor) -> bool:
+    """An integer tensor (token ids): not floating point, complex or bool."""
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def _check_vocab(ids: torch.Tensor, vocab: int | None, what: str) -> None:
+    """ids (non-empty) within [0, vocab), the model's vocab_size (None: not known)."""
+    if vocab is not None and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+        raise ValueError(
+            f"{what} holds token ids outside [0, {vocab}), the model's vocab_size (ids of "
+            "another tokenizer?)"
+        )
+
+
+def _check_batch(ids, mask, vocab: int | None, who: str) -> None:
+    """A batch of prompts (who: the call taking it, for the errors): input_ids a [B, T] integer
+    tensor of ids in [0, vocab), T >= 1, attention_mask (if given) of its shape, with at least
+    one token a row."""
+    want = "a [B, T] integer tensor (torch.tensor([ids]) for one request)"
+    if not torch.is_tensor(ids):
+        raise TypeError(f"{who}: input_ids is a {type(ids).__name__}; pass {want}")
+    if ids.dim() != 2:
+        fix = ": ids[None] for one request" if ids.dim() == 1 else ""
+        raise ValueError(f"{who}: input_ids is {ids.dim()}-D {list(ids.shape)}; pass {want}{fix}")
+    if not _is_ids(ids):
+        raise TypeError(f"{who}: input_ids is a {ids.dtype} tensor; pass {want}")
+    if ids.numel() == 0:
+        raise ValueError(
+            f"{who}: input_ids {list(ids.shape)} holds no tokens; each request needs one"
+        )
+    _check_vocab(ids, vocab, f"{who}: input_ids")
+    if mask is None:
+        return
+    if not torch.is_tensor(mask) or mask.shape != ids.shape:
+        got = list(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+        raise ValueError(
+            f"{who}: attention_mask is {got}, input_ids {list(ids.shape)}: pass one of its shape"
+        )
+    empty = (mask.to("cpu") == 0).all(1).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"{who}: attention_mask row {empty[0]} holds no tokens; each request needs one"
+        )
 
 
 # --- the cache ---------------------------------------------------------------------------------
@@ -329,23 +406,25 @@ class PagedE4M3Cache(Cache):
     """A paged float8_e4m3fn KV cache for transformers models, usable under torch.compile
     and CUDA graphs (`is_compileable`).
 
-    config: the model's config (its layer count). max_tokens: the token budget of the batch;
-    every layer has max_tokens / page_size pages of [page_size, H_kv, D], H_kv and D taken
-    from the first tokens stored (under tensor parallelism, the rank's own KV heads).
+    config: the model's config (`model.config`; only its layer count is read). max_tokens: the
+    token budget of the batch; every layer has max_tokens / page_size pages of [page_size,
+    H_kv, D], H_kv and D taken from the first tokens stored (under tensor parallelism, the
+    rank's own KV heads), never from the config: a config of other heads or head dim sizes the
+    pools as the model's own would.
     max_batch_size: the largest batch. A batch of B requests gives each request max_tokens / B
     tokens of pages (its table's capacity; a request's results equal it alone when the
     capacity is the same). reserve: tokens each request will add after its prompt
     (max_new_tokens, plus the drafts of a verify step): the prompt is refused before anything
     is stored if a request's prompt + reserve does not fit, with the max_tokens it needs.
 
-    Scales (k_scale, v_scale): a float, or a tensor of H_kv values, for every layer; or a list
-    of one such per layer (`kv_scales_from_checkpoint` reads a quantized checkpoint's); or None
-    (the default): each layer calibrates per KV head from the first tokens it stores (amax /
-    448 with 2x headroom), which makes the scales, and so every request's tokens, depend on
-    the first batch. `calibrate(model, sample_ids)` sets them from a sample instead. `reset()`
-    keeps the scales (and the pools); only the lengths go. Values beyond 448 x scale saturate:
-    the prompt and prefill forwards (more than 16 rows, eager) count them (`saturated`) and
-    warn once with the fraction.
+    Scales (k_scale, v_scale, both or neither): a float, or a tensor of H_kv values, for every
+    layer; or a list of one such per layer (`kv_scales_from_checkpoint` reads a quantized
+    checkpoint's); or None (the default): each layer calibrates per KV head from the first
+    tokens it stores (amax / 448 with 2x headroom), which makes the scales, and so every
+    request's tokens, depend on the first batch. `calibrate(model, sample_ids)` sets them from
+    a sample instead. `reset()` keeps the scales (and the pools); only the lengths go. Values
+    beyond 448 x scale saturate: the prompt and prefill forwards (more than 16 rows, eager)
+    count them (`saturated`) and warn once with the fraction.
 
     State on the device: the block table (fixed once the batch is known), the lengths [B] int32
     and per-request flags (`slot_table`, a paging.SlotTable; read through `table`, `lens` and
@@ -361,20 +440,30 @@ class PagedE4M3Cache(Cache):
     (the padding on the left; every request within its pages and the reserve).
 
     Reuse: a cache that holds tokens continues them, as transformers' caches do (to continue,
-    pass the whole sequence so far); for a new prompt call reset() first. A forward whose
-    tokens do not start at each request's length (a new prompt on a used cache: generate()
-    feeds its last tokens past the cache's length) is flagged on the device and raised at the
-    next host check, as an overflow is; after either, every forward raises until reset().
+    pass the whole sequence so far); for a new prompt call reset() first. generate() on a used
+    cache refuses, before anything is stored, input_ids that do not start with the ids the
+    cache holds or are no longer than them (a new prompt, of any length: generate() would feed
+    it past the cache's length as a continuation); `register()` shows the cache generate()'s
+    input_ids. A forward whose tokens do not start at each request's length (a direct call
+    with other positions) is flagged on the device and raised at the next host check, as an
+    overflow is; after either flag, every forward raises until reset().
     """
 
     def __init__(self, config, max_tokens: int = 4096, max_batch_size: int = 1,
                  page_size: int = 16, k_scale=None, v_scale=None, reserve: int = 0):  # fmt: skip
-        cfg = text_config(config)
+        cfg = _check_config(config)
         self.pager = paging.Pager(max_tokens, page_size, max_batch_size, reserve)
         self.reserve = reserve
         n = cfg.num_hidden_layers
         ks = paging.per_layer_scales(k_scale, n, "PagedE4M3Cache: k_scale")
         vs = paging.per_layer_scales(v_scale, n, "PagedE4M3Cache: v_scale")
+        if (k_scale is None) != (v_scale is None):
+            given, missing = ("k_scale", "v_scale") if v_scale is None else ("v_scale", "k_scale")
+            raise ValueError(
+                f"PagedE4M3Cache: {given} given without {missing}: give both (a checkpoint's: "
+                "kv_scales_from_checkpoint(folder) returns both), or neither to calibrate both "
+                "from the first forward or cache.calibrate(model, ids)"
+            )
         super().__init__(layers=[_Layer(self, ks[i], vs[i]) for i in range(n)])
         self._config = cfg  # for the attention implementation in error messages
         self.quant = _Scales()  # the scales' source, and the saturation counts
@@ -433,7 +522,7 @@ class PagedE4M3Cache(Cache):
     def reset(self):
         """Empty every request (the pools, scales, table and their addresses stay). Warns if a
         request went past its pages since the last check (its last tokens were not stored)."""
-        self._unread = None
+        self._unread = self._seen_ids = None
         self.pager.reset(stacklevel=3)
 
     def get_seq_length(self, layer_idx: int = 0):
@@ -517,7 +606,7 @@ class PagedE4M3Cache(Cache):
         lengths and flags of the same batch size and device are kept (a compiled step's CUDA
         graph reads them where they are): they must be empty (reset() first)."""
         if self.pager.start(batch, device):
-            self._unread = None
+            self._unread = self._seen_ids = None
 
     # -- calibration -----------------------------------------------------------------------------
     def scales(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -531,10 +620,56 @@ class PagedE4M3Cache(Cache):
     def calibrate(self, model, input_ids, attention_mask=None, headroom: float = HEADROOM):
         """Set every layer's scales from one forward of a sample (its real tokens: padding is
         left out): amax per KV head / 448 x headroom. The scales then stay, through reset(),
-        for every batch: a request's tokens no longer depend on the other requests. Returns
-        self, empty."""
+        for every batch: a request's tokens no longer depend on the other requests. input_ids:
+        a [B, T] integer tensor of the model's token ids, checked as speculative.generate checks
+        its own (attention_mask: its shape, 0 for left padding). Returns self, empty."""
+        _check_batch(input_ids, attention_mask, _vocab(model), "PagedE4M3Cache.calibrate")
         self.quant.calibrate(self, model, input_ids, attention_mask, headroom)
         return self
+
+    # -- generate() ---------------------------------------------------------------------------------
+    _seen_ids: torch.Tensor | None = None  # the input_ids of generate()'s last step through here
+
+    def _generating(self, input_ids, kwargs) -> None:
+        """generate()'s input_ids ([B, T], the whole sequence so far) before a step's forward
+        (`_watch_generate`; kwargs: the step's). Its first step on a cache that holds tokens,
+        where the attention mask is as wide as input_ids (not a chunked prefill), must continue
+        them: input_ids longer than what the cache holds and starting with the ids of the last
+        step through it (the ids it holds), else the prompt is refused before anything is
+        stored (two host reads: the length, the comparison). The other steps keep a reference
+        to input_ids and read nothing (decode stays asynchronous)."""
+        if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
+            return
+        mask = kwargs.get("attention_mask")
+        whole = mask is None or mask.dim() != 2 or mask.shape[1] == input_ids.shape[1]
+        if kwargs.get("is_first_iteration") and whole and not self.pager.empty:
+            self._check_continues(input_ids)
+        self._seen_ids = input_ids
+
+    def _check_continues(self, ids: torch.Tensor) -> None:
+        """Refuse generate()'s ids [B, T] unless they continue what the cache holds."""
+        self.pager.refuse_if_stale()
+        held = self.get_seq_length()
+        if not held:
+            return
+        (B, T), seen, differ = ids.shape, self._seen_ids, []
+        if T > held and seen is not None and seen.shape[0] == B:  # else the batch check says
+            n = min(held, seen.shape[1])
+            differ = (ids[:, :n] != seen[:, :n].to(ids.device)).any(1).nonzero().flatten().tolist()
+        if T > held and not differ:
+            return
+        why = (
+            f"request(s) {differ} do not start with the ids it holds"
+            if differ
+            else f"they are {T} tokens, not more than the {held} it holds"
+        )
+        raise ValueError(
+            f"PagedE4M3Cache holds up to {held} tokens a request and generate()'s input_ids "
+            f"{[B, T]} do not continue them ({why}): a new prompt on a used cache, which "
+            "generate() would slice past the tokens held as if it continued them. For a new "
+            "prompt call cache.reset() first; to continue, pass the whole sequence so far (the "
+            "last output's ids, then the new ones). Nothing was stored"
+        )
 
     # -- a forward ----------------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -575,6 +710,23 @@ class PagedE4M3Cache(Cache):
         if Q > MAX_ROWS or self.pager.root is not self.pager:  # a prompt, a view's chunk
             self.quant.count(layer_idx, last, key_states, value_states, plan.valid, layer, tokens)
         return layer, plan
+
+
+def _check_config(config):
+    """The language model's config of what PagedE4M3Cache was given: a transformers config
+    with num_hidden_layers, not the model itself."""
+    if isinstance(config, torch.nn.Module):
+        raise TypeError(
+            f"PagedE4M3Cache takes the model's config, got the model ({type(config).__name__}): "
+            "pass model.config"
+        )
+    cfg = text_config(config)
+    if not isinstance(getattr(cfg, "num_hidden_layers", None), int):
+        raise TypeError(
+            f"PagedE4M3Cache takes the model's config (its num_hidden_layers), got a "
+            f"{type(config).__name__}: pass model.config"
+        )
+    return cfg
 
 
 def _check_layer(layer_idx: int, layers: int) -> None:
