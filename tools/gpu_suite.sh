@@ -54,7 +54,7 @@ for n, v in need.items():
     if tuple(int(x) for x in have.split(".")[:len(v)] if x.isdigit()) < v:
         bad.append(f"{n} {have} < {want}")
         continue
-    try:  # a carried wheel may not import beside the machine's own packages
+    try:  # a carried wheel may not import beside the machine own packages
         __import__(n)
     except Exception as e:
         bad.append(f"{n} {have} does not import: {e!r}"[:300])
