@@ -11,6 +11,7 @@
 
 #include "sm70attn/params.h"
 #include "sm70attn/plan.h"
+#include "sm70attn/registry.h"
 #include "sm70attn/static_switch.h"
 #include "sm70attn/traits.h"
 
@@ -23,7 +24,8 @@ struct Driver {
   decltype(&::cuOccupancyMaxActiveBlocksPerMultiprocessor) occupancy = nullptr;
 };
 
-// A kernel as the loader names it (torch_sm70attn.nvrtc.Kernel): family and integer parameters.
+// A kernel as the loader names it (torch_sm70attn.nvrtc.Kernel): family (registry.h) and integer
+// parameters.
 struct KernelKey {
   const char* family;
   int params[3];
@@ -44,44 +46,43 @@ struct Launcher {
 
 constexpr int kMaxDevices = 64;
 
-// The kernels, as types: each names itself for the loader and knows its launch shape.
-template <class KT, int KIND>
+// The kernels, as types: each names itself for the loader (its family in registry.h) and knows
+// its launch shape. A family of the registry without one here has no launcher
+// (tests/test_registry.py).
+template <class KT, int KIND>  // KIND: the attention kind, which is the kernel's family
 struct AttnKernel {
   static constexpr int THREADS = KT::THREADS, SMEM = KT::SMEM_BYTES;
-  static KernelKey key() {
-    const char* f = KIND == ATTN_WMMA ? "attn" : KIND == ATTN_RF_M8N8K4 ? "attn-rf-m8n8k4" : "attn-rf-m16n8k16";
-    return {f, {KT::D, KT::MB, KT::VEC}, 3};
-  }
+  static KernelKey key() { return {family_name(KIND), {KT::D, KT::MB, KT::VEC}, 3}; }
 };
 
 template <class KT>
 struct VarlenKernel {
   static constexpr int THREADS = KT::THREADS, SMEM = KT::SMEM_BYTES + kVarlenSmemExtra;
-  static KernelKey key() { return {"attn-varlen", {KT::D, KT::MB, KT::VEC}, 3}; }
+  static KernelKey key() { return {family_name(ATTN_VARLEN), {KT::D, KT::MB, KT::VEC}, 3}; }
 };
 
 template <class CT>
 struct CombineVarlenKernel {
   static constexpr int THREADS = CT::THREADS, SMEM = CT::SMEM_BYTES;
-  static KernelKey key() { return {"combine-varlen", {CT::D, 0, 0}, 1}; }
+  static KernelKey key() { return {family_name(COMBINE_VARLEN), {CT::D, 0, 0}, 1}; }
 };
 
 template <class CT>
 struct CombineKernel {
   static constexpr int THREADS = CT::THREADS, SMEM = CT::SMEM_BYTES;
-  static KernelKey key() { return {"combine", {CT::D, CT::WPR, 0}, 2}; }
+  static KernelKey key() { return {family_name(COMBINE), {CT::D, CT::WPR, 0}, 2}; }
 };
 
 struct StoreKVKernel {
   static constexpr int THREADS = StoreKVTraits::THREADS, SMEM = 0;
-  static KernelKey key() { return {"store_kv", {0, 0, 0}, 0}; }
+  static KernelKey key() { return {family_name(STORE_KV), {0, 0, 0}, 0}; }
 };
 
 // The MMA atom check (tests): SHAPE 884 (m8n8k4), 8844 (m8n8k4 with B row-major), 16816 (m16n8k16).
 template <int SHAPE>
 struct MmaCheckKernel {
-  static constexpr int THREADS = 32, SMEM = 0;
-  static KernelKey key() { return {"mma", {SHAPE, 0, 0}, 1}; }
+  static constexpr int THREADS = MmaCheckTraits<SHAPE>::THREADS, SMEM = MmaCheckTraits<SHAPE>::SMEM_BYTES;
+  static KernelKey key() { return {family_name(MMA_CHECK), {SHAPE, 0, 0}, 1}; }
 };
 
 // The CUfunction of kernel K on the launcher's device: loaded at its first use there, then read

@@ -8,8 +8,10 @@
 
 namespace {
 
-// Names of the kernel kinds, by sm70attn::AttnKind (set_kernel_override takes them, plan() reports them).
-constexpr const char* kKindNames[] = {"wmma", "rf-m8n8k4", "rf-m16n8k16"};
+// Names of the kernel kinds, by sm70attn::AttnKind (set_kernel_override takes them, plan() reports
+// them): the registry's (csrc/sm70attn/registry.h).
+constexpr const char* const* kKindNames = sm70attn::kFamilyKinds;
+constexpr int kKinds = sm70attn::kAttnKinds;
 
 // The attention kernel kind of a call (sm70attn::attn_default_kind), or the one
 // set_kernel_override forces where it applies (tests and A/B runs). Shapes outside
@@ -26,9 +28,9 @@ int kernel_kind(int device, int d, int mb, i64 capacity) {
 
 // sm70attn::attn_ctas_per_sm, cached per (device, kind, D, mb, vec): the query loads the kernel.
 int ctas_per_sm(const sm70attn::Launcher& l, int kind, int d, int mb, int vec) {
-  static std::atomic<int> cache[sm70attn::kMaxDevices][3][3][9][2];  // 0: not yet asked
+  static std::atomic<int> cache[sm70attn::kMaxDevices][kKinds][3][9][2];  // 0: not yet asked
   const int device = l.device;
-  if (device < 0 || device >= sm70attn::kMaxDevices || kind < 0 || kind > 2 || mb < 1 || mb > 8 ||
+  if (device < 0 || device >= sm70attn::kMaxDevices || kind < 0 || kind >= kKinds || mb < 1 || mb > 8 ||
       (d != 64 && d != 128 && d != 256))
     return sm70attn::attn_ctas_per_sm(l, kind, d, mb, vec);
   std::atomic<int>& c = cache[device][kind][d == 64 ? 0 : d == 128 ? 1 : 2][mb][vec == 16];
