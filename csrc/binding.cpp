@@ -44,7 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             for (int mb = 1; mb <= sm70attn::attn_max_row_blocks(d); ++mb)
               for (int vec : {8, 16})
                 TORCH_CHECK(sm70attn::attn_switch(d, mb, vec, [](auto) {}),
-                            msg("torch_sm70attn: the manifest admits head dim ", d, " but static_switch.h lists no "
+                            msg("torch_sm70attn: the manifest admits head dim ", d, " but registry.h lists no "
                                 "attention kernel for MB ", mb, " VEC ", vec));
             for (int vec : {8, 16})
               TORCH_CHECK(sm70attn::varlen_switch(d, sm70attn::varlen_row_blocks(), vec, [](auto) {}) &&
@@ -88,10 +88,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("sm_smem_bytes") = 0);
   m.def("set_kernel_override", [](const std::string& kind) {
           int k = kind == "auto" ? -1 : -2;
-          for (int i = 0; i < 3; ++i)
+          std::string kinds = "auto";
+          for (int i = 0; i < kKinds; ++i) {
             if (kind == kKindNames[i]) k = i;
-          TORCH_CHECK_VALUE(k != -2, msg("set_kernel_override: kind must be auto, wmma, rf-m8n8k4 or rf-m16n8k16, got '",
-                            kind, "'"));
+            kinds += std::string(i + 1 < kKinds ? ", " : " or ") + kKindNames[i];
+          }
+          TORCH_CHECK_VALUE(k != -2, msg("set_kernel_override: kind must be ", kinds, ", got '", kind, "'"));
           if (k == sm70attn::ATTN_RF_M16N8K16) {  // (checked again at each call, on its device)
             const int device = c10::cuda::current_device();
             const int cc = device_info(device).cc;
@@ -106,11 +108,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "capacity and of 33-48 rows from 128K, else wmma); set it while no other thread launches",
         pybind11::arg("kind"));
   m.def("set_prefill_override", [](const std::string& kind) {
-          const char* names[] = {"off", "m8n8k4", "m16n8k16"};
-          int k = kind == "auto" ? -1 : -2;
-          for (int i = 0; i < 3; ++i)
-            if (kind == names[i]) k = i;
-          TORCH_CHECK_VALUE(k != -2, msg("set_prefill_override: kind must be auto, off, m8n8k4 or m16n8k16, got '", kind,
+          const int k = kind == "auto"       ? kPrefillAuto
+                        : kind == "off"      ? sm70attn::kNoPrefill
+                        : kind == "m8n8k4"   ? sm70attn::PREFILL_M8N8K4
+                        : kind == "m16n8k16" ? sm70attn::PREFILL_M16N8K16
+                                             : -3;
+          TORCH_CHECK_VALUE(k != -3, msg("set_prefill_override: kind must be auto, off, m8n8k4 or m16n8k16, got '", kind,
                                          "'"));
           if (k == sm70attn::PREFILL_M16N8K16) {  // (checked again at each call, on its device)
             const int device = c10::cuda::current_device();

@@ -11,6 +11,7 @@
 
 #include "sm70attn/params.h"
 #include "sm70attn/plan.h"
+#include "sm70attn/registry.h"
 #include "sm70attn/static_switch.h"
 #include "sm70attn/traits.h"
 
@@ -23,7 +24,8 @@ struct Driver {
   decltype(&::cuOccupancyMaxActiveBlocksPerMultiprocessor) occupancy = nullptr;
 };
 
-// A kernel as the loader names it (torch_sm70attn.nvrtc.Kernel): family and integer parameters.
+// A kernel as the loader names it (torch_sm70attn.nvrtc.Kernel): family (registry.h) and integer
+// parameters.
 struct KernelKey {
   const char* family;
   int params[3];
@@ -44,37 +46,37 @@ struct Launcher {
 
 constexpr int kMaxDevices = 64;
 
-// The kernels, as types: each names itself for the loader and knows its launch shape.
-template <class KT, int KIND>
+// The kernels, as types: each names itself for the loader (its family in registry.h) and knows
+// its launch shape. A family of the registry without one here has no launcher
+// (tests/test_registry.py).
+template <class KT, int KIND>  // KIND: the attention kind, which is the kernel's family
 struct AttnKernel {
   static constexpr int THREADS = KT::THREADS, SMEM = KT::SMEM_BYTES;
-  static KernelKey key() {
-    const char* f = KIND == ATTN_WMMA ? "attn" : KIND == ATTN_RF_M8N8K4 ? "attn-rf-m8n8k4" : "attn-rf-m16n8k16";
-    return {f, {KT::D, KT::MB, KT::VEC}, 3};
-  }
+  static KernelKey key() { return {family_name(KIND), {KT::D, KT::MB, KT::VEC}, 3}; }
 };
 
 template <class KT>
 struct VarlenKernel {
   static constexpr int THREADS = KT::THREADS, SMEM = KT::SMEM_BYTES + kVarlenSmemExtra;
-  static KernelKey key() { return {"attn-varlen", {KT::D, KT::MB, KT::VEC}, 3}; }
+  static KernelKey key() { return {family_name(ATTN_VARLEN), {KT::D, KT::MB, KT::VEC}, 3}; }
 };
 
-// The prefill kernel (prefill.cuh) on its MMA atom: m8n8k4 (SM70's) or m16n8k16 (SM80+).
-enum PrefillKind : int { PREFILL_OFF = 0, PREFILL_M8N8K4 = 1, PREFILL_M16N8K16 = 2 };
+// The prefill kernel (prefill.cuh) of family PREFILL_M8N8K4 (SM70's atom) or PREFILL_M16N8K16
+// (SM80+); kNoPrefill: none (paged_attention_varlen's tile loop takes every request).
+constexpr int kNoPrefill = -1;
 
-template <class PT, int KIND>
+template <class PT, int FAMILY>
 struct PrefillKernel {
   static constexpr int THREADS = PT::THREADS, SMEM = PT::SMEM_BYTES;
-  static KernelKey key() { return {KIND == PREFILL_M8N8K4 ? "prefill-m8n8k4" : "prefill-m16n8k16", {PT::D, PT::VEC, 0}, 2}; }
+  static KernelKey key() { return {family_name(FAMILY), {PT::D, PT::VEC, 0}, 2}; }
 };
 
-// Calls f(K{}) for the (kind, D, vec) prefill kernel; false when none is built.
+// Calls f(K{}) for the (family, D, vec) prefill kernel; false when none is built.
 template <class F>
-inline bool prefill_kernel(int kind, int d, int vec, F&& f) {
-  if (kind != PREFILL_M8N8K4 && kind != PREFILL_M16N8K16) return false;
+inline bool prefill_kernel(int family, int d, int vec, F&& f) {
+  if (family != PREFILL_M8N8K4 && family != PREFILL_M16N8K16) return false;
   return prefill_switch(d, vec, [&](auto pt) {
-    if (kind == PREFILL_M8N8K4)
+    if (family == PREFILL_M8N8K4)
       f(PrefillKernel<decltype(pt), PREFILL_M8N8K4>{});
     else
       f(PrefillKernel<decltype(pt), PREFILL_M16N8K16>{});
@@ -84,25 +86,25 @@ inline bool prefill_kernel(int kind, int d, int vec, F&& f) {
 template <class CT>
 struct CombineVarlenKernel {
   static constexpr int THREADS = CT::THREADS, SMEM = CT::SMEM_BYTES;
-  static KernelKey key() { return {"combine-varlen", {CT::D, 0, 0}, 1}; }
+  static KernelKey key() { return {family_name(COMBINE_VARLEN), {CT::D, 0, 0}, 1}; }
 };
 
 template <class CT>
 struct CombineKernel {
   static constexpr int THREADS = CT::THREADS, SMEM = CT::SMEM_BYTES;
-  static KernelKey key() { return {"combine", {CT::D, CT::WPR, 0}, 2}; }
+  static KernelKey key() { return {family_name(COMBINE), {CT::D, CT::WPR, 0}, 2}; }
 };
 
 struct StoreKVKernel {
   static constexpr int THREADS = StoreKVTraits::THREADS, SMEM = 0;
-  static KernelKey key() { return {"store_kv", {0, 0, 0}, 0}; }
+  static KernelKey key() { return {family_name(STORE_KV), {0, 0, 0}, 0}; }
 };
 
 // The MMA atom check (tests): SHAPE 884 (m8n8k4), 8844 (m8n8k4 with B row-major), 16816 (m16n8k16).
 template <int SHAPE>
 struct MmaCheckKernel {
-  static constexpr int THREADS = 32, SMEM = 0;
-  static KernelKey key() { return {"mma", {SHAPE, 0, 0}, 1}; }
+  static constexpr int THREADS = MmaCheckTraits<SHAPE>::THREADS, SMEM = MmaCheckTraits<SHAPE>::SMEM_BYTES;
+  static KernelKey key() { return {family_name(MMA_CHECK), {SHAPE, 0, 0}, 1}; }
 };
 
 // The CUfunction of kernel K on the launcher's device: loaded at its first use there, then read
@@ -203,11 +205,11 @@ inline int attn_ctas_per_sm(const Launcher& l, int kind, int d, int mb, int vec,
 }
 
 // paged_attention_varlen (plan: plan_paged_attention_varlen, its fields in p): the tile loop over
-// tiles x H_kv CTAs and split_cap splits, the prefill kernel of kind `prefill` (PREFILL_OFF: none,
+// tiles x H_kv CTAs and split_cap splits, the prefill kernel of family `prefill` (kNoPrefill: none,
 // the tile loop takes every request) over pf_tiles x H_kv CTAs, then the combine of the split
 // units. The unit heads must be zero (no unit used) before the launch.
 inline CUresult launch_paged_attention_varlen(const Launcher& l, const PagedAttnParams& params, const VarlenPlan& plan,
-                                              int vec, int prefill = PREFILL_OFF) {
+                                              int vec, int prefill = kNoPrefill) {
   PagedAttnParams p = params;
   set_divisors(p);
   CUresult err = CUDA_ERROR_INVALID_VALUE;
@@ -215,7 +217,7 @@ inline CUresult launch_paged_attention_varlen(const Launcher& l, const PagedAttn
     using K = VarlenKernel<decltype(kt)>;
     err = launch<K>(l, (unsigned)(plan.tiles * p.H_kv), (unsigned)p.split_cap, K::SMEM, p);
   });
-  if (err == CUDA_SUCCESS && prefill != PREFILL_OFF) {
+  if (err == CUDA_SUCCESS && prefill != kNoPrefill) {
     err = CUDA_ERROR_INVALID_VALUE;
     prefill_kernel(prefill, p.D, vec, [&](auto k) {
       using K = decltype(k);
@@ -240,10 +242,10 @@ inline int varlen_ctas_per_sm(const Launcher& l, int d, int vec) {
   return n;
 }
 
-// Resident CTAs per SM of the (kind, D, vec) prefill kernel (as attn_ctas_per_sm).
-inline int prefill_ctas_per_sm(const Launcher& l, int kind, int d, int vec) {
+// Resident CTAs per SM of the (family, D, vec) prefill kernel (as attn_ctas_per_sm).
+inline int prefill_ctas_per_sm(const Launcher& l, int family, int d, int vec) {
   int n = 0;
-  prefill_kernel(kind, d, vec, [&](auto k) {
+  prefill_kernel(family, d, vec, [&](auto k) {
     using K = decltype(k);
     CUfunction f = nullptr;
     if (function<K>(l, &f) != CUDA_SUCCESS || l.drv->occupancy(&n, f, K::THREADS, (size_t)K::SMEM) != CUDA_SUCCESS)

@@ -5,15 +5,19 @@ launch plan (plan.h) over a grid of shapes.
 
 One build serves every case: the kernels compile in one shard per core (kernel_shard.cpp) beside
 kernels.cpp, all at once; then the cases run as processes, one per core, and each test checks
-its own case's output."""
+its own case's output. Every family of the registration list (csrc/sm70attn/registry.h) is
+launched by one of the cases at least."""
 
 import os
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from torch_sm70attn import nvrtc
 
 ROOT = Path(__file__).resolve().parents[1]
 EMU = ROOT / "tests" / "emu"
@@ -39,6 +43,7 @@ CASES = [
     "vec8",
     "combine",
     "atoms",
+    "storekv",
     "nanrow",
     "plan",
 ]
@@ -93,3 +98,15 @@ def test_emulated_kernels_match_the_fp64_reference(emulator_runs, case):
     lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
     checked = [ln for ln in lines if ln.endswith(" ok") or ln.startswith("determinism:")]
     assert checked, out[-4000:]  # the case ran something
+
+
+def test_the_cases_launch_every_family_of_the_registration_list(emulator_runs):
+    """Each run prints the families it launched ("families: ..."); together the cases launch
+    every family registry.h lists (a new family needs its emulator launcher and a case)."""
+    if set(emulator_runs) != set(CASES):
+        pytest.skip("needs every case of CASES selected")
+    ran = set()
+    for res in (run.result() for run in emulator_runs.values()):
+        m = re.search(r"^families:(.*)$", res.stdout, re.M)
+        ran |= set(m.group(1).split()) if m else set()
+    assert ran == set(nvrtc.FAMILIES), sorted(set(nvrtc.FAMILIES) - ran)

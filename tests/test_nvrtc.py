@@ -106,7 +106,7 @@ def test_a_missing_header_names_its_package_and_the_extra(monkeypatch, tmp_path)
 
 
 def test_fetch_refuses_a_kernel_the_lists_do_not_hold():
-    with pytest.raises(RuntimeError, match="static_switch.h does not list"):
+    with pytest.raises(RuntimeError, match="registry.h does not list"):
         nvrtc.fetch("attn", (96, 1, 16), 0)
 
 

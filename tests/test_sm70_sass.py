@@ -60,7 +60,9 @@ def test_unroll_step_of_a_loop_counter():
 
 def test_trip_counts_evaluated_in_the_kernels_scope():
     """The bounds of the tile loop's inner loops, for D128 MB4 (NVRTC of the runtime route, the
-    extra cuda12): KT::DPK = 8 D slices, PASSES = 2 softmax passes (a constexpr of the kernel)."""
+    extra cuda12), each in the constants of the file its loop is in: KT::DPK = 8 D slices (the
+    QK^T tile, paged_attention.cuh), PASSES = 2 softmax passes (a constexpr of softmax.h's
+    softmax_tile)."""
 
     from torch_sm70attn import toolchain
 
@@ -71,8 +73,8 @@ def test_trip_counts_evaluated_in_the_kernels_scope():
     if major != 12:
         pytest.skip(f"NVRTC {major} does not target sm_70 (extra cuda12)")
     loops = [
-        "paged_attention.cuh:169 for (int i = 0; i < KT::DPK; ++i) {",
-        "paged_attention.cuh:202 for (int k = 0; k < PASSES; ++k) {",
+        "paged_attention.cuh:78 for (int i = 0; i < KT::DPK; ++i) {",
+        "softmax.h:77 for (int k = 0; k < PASSES; ++k) {",
         "paged_attention.cuh:1 while (true) {",
     ]
     traits = "sm70attn::AttnTraits<128, 4, 16>"

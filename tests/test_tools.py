@@ -25,8 +25,14 @@ def csv_text(rows):
 
 
 def test_anchors_of_the_kernel_source_are_found_once_and_in_order():
-    starts = ncu_phases.phase_starts(ncu_phases.KERNEL.read_text())
-    assert [name for _, name in starts] == ["prologue", "loop", "qk", "softmax", "pv", "epilogue"]
+    starts = ncu_phases.source_starts()  # paged_attention.cuh: its pieces, then attend_cta
+    assert [name for _, name in starts["paged_attention.cuh"]] == (
+        ["prologue", "prologue", "qk", "pv", "epilogue"]
+        + ["prologue", "loop", "qk", "softmax", "pv", "epilogue"]
+    )
+    assert [name for _, name in starts["softmax.h"]][1:] == ["prologue", "softmax", "epilogue"]
+    assert [name for _, name in starts["epilogue.h"]][1:] == ["epilogue", "prologue", "epilogue"]
+    assert {n for s in starts.values() for _, n in s} == set(ncu_phases.PHASES)
 
 
 def test_instructions_are_summed_by_phase_with_inlined_headers_following_the_kernel_line():
@@ -41,7 +47,16 @@ def test_instructions_are_summed_by_phase_with_inlined_headers_following_the_ker
         ]
         + ["// Epilogue"]
     )
-    starts = ncu_phases.phase_starts(source)  # loop 10, qk 11, softmax 13, pv 14, epilogue 15
+    anchors = [
+        ("loop", "for (int t0 = t_begin"),
+        ("qk", "// S = Q K^T"),
+        ("softmax", "// Online softmax"),
+        ("pv", "// O = alpha * O + P V"),
+        ("epilogue", "// Epilogue"),
+    ]
+    starts = ncu_phases.phase_starts(
+        source, anchors
+    )  # loop 10, qk 11, softmax 13, pv 14, epilogue 15
     k = "paged_attention.cuh"
     disasm = "\n".join(
         [

@@ -11,9 +11,11 @@ phase of the kernel source (the per-phase table in docs/perf.md).
 
 ncu reports SASS addresses; nvdisasm -g of the same kernels, as the runtime compiles them
 (torch_sm70attn.nvrtc, the cubins of its cache), maps them to source lines (every instruction's
-opcode is compared: a different compiler or flags is an error, not a silent misattribution). Phases come from the comments
-that open each block of csrc/sm70attn/paged_attention.cuh; instructions inlined from other
-headers count with the kernel line before them, except e4m3.h (conversion) and kv_tile.h.
+opcode is compared: a different compiler or flags is an error, not a silent misattribution). Phases come from
+anchors in the kernel's sources (ANCHORS: csrc/sm70attn/paged_attention.cuh, its pieces and
+attend_cta's tile loop; softmax.h; epilogue.h), a line taking the phase of the last anchor above it
+in its file; instructions inlined from other headers count with the kernel line before them,
+except e4m3.h (conversion) and kv_tile.h.
 --warp-tiles: per profiled attention kernel, (warps per CTA) x (tiles it processed: 32 tokens,
 64 for D = 64 with at most 32 rows), to print counts per warp per tile; without it, fractions
 only.
@@ -37,14 +39,33 @@ if str(ROOT) not in sys.path:
 from torch_sm70attn import nvrtc  # noqa: E402
 
 KERNEL = ROOT / "csrc" / "sm70attn" / "paged_attention.cuh"
-# (phase, comment that opens it in paged_attention.cuh), in source order
-ANCHORS = [
-    ("loop", "for (int t0 = t_begin"),
-    ("qk", "// S = Q K^T"),
-    ("softmax", "// Online softmax"),
-    ("pv", "// O = alpha * O + P V"),
-    ("epilogue", "// Epilogue"),
-]
+PHASES = ["prologue", "loop", "qk", "softmax", "pv", "epilogue"]  # (the table's order)
+# per source file, (phase, the text that opens it), in source order
+ANCHORS = {
+    "paged_attention.cuh": [
+        ("prologue", "void load_q("),
+        ("qk", "void qk_tile("),
+        ("pv", "void pv_tile("),
+        ("epilogue", "void stage_o("),
+        ("prologue", "void attend_cta("),
+        ("loop", "for (int t0 = t_begin"),
+        ("qk", "qk_tile<KT>(Qs"),
+        ("softmax", "softmax_tile<KT>(p"),
+        ("pv", "pv_tile<KT>(o"),
+        ("epilogue", "// Epilogue"),
+    ],
+    "softmax.h": [
+        ("prologue", "void softmax_init("),
+        ("softmax", "void softmax_tile("),
+        ("epilogue", "void softmax_store("),
+    ],
+    # (the split that sees nothing returns from the prologue)
+    "epilogue.h": [
+        ("epilogue", "#pragma once"),
+        ("prologue", "void store_empty("),
+        ("epilogue", "void store_out("),
+    ],
+}
 INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 LINE = re.compile(r'File "(.*?)", line (\d+)')
 
@@ -83,27 +104,36 @@ def read_disasm(text: str) -> dict[int, tuple[str, int, str]]:
     return out
 
 
-def phase_starts(source: str) -> list[tuple[int, str]]:
+def phase_starts(source: str, anchors=None, name: str = KERNEL.name) -> list[tuple[int, str]]:
+    """(first line, phase) of each phase of one source file (default: paged_attention.cuh)."""
     lines = source.splitlines()
     starts = [(0, "prologue")]
-    for name, anchor in ANCHORS:
+    for phase, anchor in anchors or ANCHORS[name]:
         hits = [i + 1 for i, text in enumerate(lines) if anchor in text]
         if len(hits) != 1:
-            raise SystemExit(f"anchor {anchor!r} found {len(hits)} times in {KERNEL.name}")
-        starts.append((hits[0], name))
+            raise SystemExit(f"anchor {anchor!r} found {len(hits)} times in {name}")
+        starts.append((hits[0], phase))
     if [s for s, _ in starts] != sorted(s for s, _ in starts):
         raise SystemExit("phase anchors out of order")
     return starts
 
 
-def classify(file: str, line: int, starts: list[tuple[int, str]]) -> str | None:
+def source_starts() -> dict[str, list[tuple[int, str]]]:
+    """phase_starts of every file of ANCHORS."""
+    return {f: phase_starts((KERNEL.parent / f).read_text(), name=f) for f in ANCHORS}
+
+
+def classify(file: str, line: int, starts) -> str | None:
+    """The phase of a source line; None for a file without anchors. starts: source_starts(), or
+    one list for paged_attention.cuh."""
     if file == "e4m3.h":
         return "convert"
     if file == "kv_tile.h":
         return "kv gather/store"
-    if file != KERNEL.name:
+    by_file = starts if isinstance(starts, dict) else {KERNEL.name: starts}
+    if file not in by_file:
         return None
-    return [name for s, name in starts if s <= line][-1]
+    return [name for s, name in by_file[file] if s <= line][-1]
 
 
 def attribute(
@@ -121,7 +151,7 @@ def attribute(
         ph = classify(file, line, starts)
         if ph is None:
             ph = last
-        elif file == KERNEL.name:
+        elif file not in ("e4m3.h", "kv_tile.h"):
             last = ph
         instr[ph] += int(row[ie] or 0)
         stalls[ph] += int(row[ss] or 0)
@@ -176,8 +206,8 @@ def main(argv=None):
         if "paged_attention_kernel" in k["name"] and k != prev:  # ncu may print a launch twice
             kernels.append(k)
         prev = k
-    starts = phase_starts(KERNEL.read_text())
-    names = [s[1] for s in starts] + ["convert", "kv gather/store"]
+    starts = source_starts()
+    names = [*PHASES, "convert", "kv gather/store"]
     with tempfile.TemporaryDirectory() as tmp:
         for n, k in enumerate(kernels):
             instr, stalls, mism = attribute(

@@ -4,13 +4,15 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python tools/sanitize_cells.py [--sweep N]
 
-The kernels are the lists of csrc/sm70attn/static_switch.h (as torch_sm70attn.nvrtc reads
-them): each attention kernel (D, MB, VEC) twice, with one split (fp16 output straight from the
-kernel) and with several (fp16 partials), the WMMA kernel and each atom of the
-register-fragment one (set_kernel_override; m16n8k16 on SM80+), and each combine kernel (D, WPR) through a decode
-long enough for its split count; store_kv on both of its paths. The plan the binding makes for
+The kernels are the registration list's (csrc/sm70attn/registry.h, as torch_sm70attn.nvrtc reads
+it): each attention kernel (D, MB, VEC) of each kind twice, with one split (fp16 output straight
+from the kernel) and with several (fp16 partials), the WMMA kernel and each atom of the
+register-fragment one (set_kernel_override; m16n8k16 on SM80+), and each combine kernel (D, WPR)
+through a decode long enough for its split count; store_kv on both of its paths; the MMA atom
+checks (m16n8k16 on SM80+). The plan the binding makes for
 each cell is read back (its `plan()` hook) and the run fails unless every listed kernel was
-reached, or if an output is not finite. Tables carry junk past the pages in use. --sweep N adds N
+reached, or if an output is not finite. `coverage()` names the cells that launch each family
+(tests/test_registry.py: every family has one). Tables carry junk past the pages in use. --sweep N adds N
 seeded random valid calls (tests/problems.py: random_geometry, the GPU tests' sweep), each
 checked against the reference route. paged_attention_varlen: each of its kernels (D, VEC) on a
 mixed call (decodes, a verify, chunks over pasts, a prompt, an empty request, padding tokens)
@@ -29,17 +31,22 @@ from v100_model import combine_warps_per_row  # noqa: E402
 
 import torch_sm70attn as sa  # noqa: E402
 from torch_sm70attn import reference  # noqa: E402
-from torch_sm70attn.nvrtc import switch_entries  # noqa: E402
+from torch_sm70attn.nvrtc import FAMILIES, instances  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
 
-def cells(rf_kinds=("rf-m8n8k4", "rf-m16n8k16")):
+KINDS = {f.kind: f.name for f in FAMILIES.values() if f.kind}  # attention kind -> its family
+RF_KINDS = tuple(k for k in KINDS if k != "wmma")
+
+
+def cells(rf_kinds=RF_KINDS):
     """(kernel kind, label, problem kwargs, VEC, several splits wanted) covering every listed
     kernel: the WMMA kernels, and the register-fragment ones on each of rf_kinds."""
-    want_attn = {("wmma", *e) for e in switch_entries("SM70ATTN_ATTN_KERNELS")}
-    want_attn |= {(k, *e) for e in switch_entries("SM70ATTN_RF_KERNELS") for k in rf_kinds}
-    want_comb = set(switch_entries("SM70ATTN_COMBINE_KERNELS"))
+    want_attn = {
+        (k, *e) for k, f in KINDS.items() if k == "wmma" or k in rf_kinds for e in instances(f)
+    }
+    want_comb = set(instances("combine"))
     out = []
     for kind, D, mb, vec in sorted(want_attn):
         # G 8 and Q = 2 MB - 1: 16 MB - 8 rows, one row group, padding rows in the last block
@@ -59,29 +66,85 @@ def cells(rf_kinds=("rf-m8n8k4", "rf-m16n8k16")):
     return out, want_attn, want_comb
 
 
-def varlen_cells(lib, prefill_kinds, only=None):
-    """paged_attention_varlen's cells, with each prefill kernel kind (set_prefill_override: the
-    requests of more than 16 tokens on its kernel) and with none ("off": the tile loop takes
-    them all)."""
+VARLEN_CALLS = (  # (what, query rows, pasts): a mixed call; short chunks over long pasts that split
+    ("mixed", (1, 5, 40, 0, 19, 130, 16), (30, 7, 0, 12, 100, 0, 900)),
+    ("split", (1, 8, 40, 200), (9000, 5000, 12000, 20000)),
+)
+PREFILL = {"prefill-m8n8k4": "m8n8k4", "prefill-m16n8k16": "m16n8k16"}  # family: override
+
+
+def varlen_labels(sm80=True):
+    """(label, D, VEC, call, prefill override) of every varlen cell: each tile loop kernel on
+    each call, with each prefill kernel family (the requests of more than 16 tokens on it;
+    m16n8k16 on SM80+) and with none ("off": the tile loop takes them all)."""
+    kinds = [k for f, k in PREFILL.items() if sm80 or f != "prefill-m16n8k16"] + ["off"]
+    return [
+        (f"varlen D{D} VEC{vec} prefill {kind} {what}", D, vec, (what, ql, past), kind)
+        for kind in kinds
+        for D, _, vec in instances("attn-varlen")
+        for what, ql, past in VARLEN_CALLS
+    ]
+
+
+STORE_KV_CELLS = ("store_kv 8-element rows", "store_kv element path")
+
+
+def atom_labels(sm80=True):
+    return [f"mma atom {s}" for (s,) in instances("mma") if sm80 or s != 16816]
+
+
+def coverage(sm80=True) -> dict[str, list[str]]:
+    """The registry's families, each with the labels of the cells that launch it."""
+    todo, _, _ = cells(RF_KINDS if sm80 else RF_KINDS[:1])
+    out = {name: [] for name in FAMILIES}
+    for kind, label, _, _, several in todo:
+        out[KINDS.get(kind, "attn")].append(label)  # ("auto": the WMMA kernel at these shapes)
+        if several:
+            out["combine"].append(label)
+    for label, _, _, (what, _, _), kind in varlen_labels(sm80):
+        out["attn-varlen"].append(label)
+        if what == "split":
+            out["combine-varlen"].append(label)
+        for family, k in PREFILL.items():
+            if kind == k:
+                out[family].append(label)
+    out["store_kv"] += STORE_KV_CELLS
+    out["mma"] += atom_labels(sm80)
+    return out
+
+
+def atom_cells(sm80):
+    """Each MMA atom's element maps on the hardware (tests/test_cuda.py's check): D = A B + C."""
     bad = 0
-    for kind in (*prefill_kinds, "off"):
+    for (shape,) in instances("mma"):
+        if shape == 16816 and not sm80:
+            continue
+        G, M, N, K = (1, 16, 8, 16) if shape == 16816 else (4, 8, 8, 4)
+        gen = torch.Generator().manual_seed(shape)
+        A = torch.randint(-8, 9, (G, M, K), generator=gen).half().cuda()
+        B = torch.randint(-8, 9, (G, K, N), generator=gen).half().cuda()
+        C = torch.randint(-64, 65, (G, M, N), generator=gen).float().cuda()
+        D = torch.ops.sm70attn_test.mma_atom_check(shape, A, B, C)
+        ok = torch.equal(D.double(), torch.bmm(A.double(), B.double()) + C.double())
+        bad += not ok
+        print(f"mma atom {shape}:", "ok" if ok else "BAD")
+    return bad
+
+
+def varlen_cells(lib, sm80, only=None):
+    bad = 0
+    for label, D, vec, (_, ql, past), kind in varlen_labels(sm80):
+        if only and only not in label:
+            continue
         lib.set_prefill_override(kind)
-        for D, _, vec in switch_entries("SM70ATTN_VARLEN_KERNELS"):
-            for what, ql, past in (
-                ("mixed", (1, 5, 40, 0, 19, 130, 16), (30, 7, 0, 12, 100, 0, 900)),
-                ("split", (1, 8, 40, 200), (9000, 5000, 12000, 20000)),
-            ):
-                label = f"varlen D{D} VEC{vec} prefill {kind} {what}"
-                if only and only not in label:
-                    continue
-                kw = dict(layout="padded") if vec == 8 else {}
-                p = make_varlen_problem(ql, past, G=6, D=D, H_kv=1, device="cuda", **kw)
-                out = torch.ops.sm70attn.paged_attention_varlen(*varlen_args(p))
-                ref = reference.paged_attention_varlen(*varlen_args(p))
-                err = float((out.float() - ref.float()).abs().max())
-                ok = bool(torch.isfinite(out).all()) and err <= 2e-2
-                bad += not ok
-                print(f"{label}: max |op - reference| {err:.2e}", "ok" if ok else "BAD")
+        kw = dict(layout="padded") if vec == 8 else {}
+        p = make_varlen_problem(ql, past, G=6, D=D, H_kv=1, device="cuda", **kw)
+        out = torch.ops.sm70attn.paged_attention_varlen(*varlen_args(p))
+        ref = reference.paged_attention_varlen(*varlen_args(p))
+        err = float((out.float() - ref.float()).abs().max())
+        ok = bool(torch.isfinite(out).all()) and err <= 2e-2
+        bad += not ok
+        print(f"{label}: max |op - reference| {err:.2e}", "ok" if ok else "BAD")
     lib.set_prefill_override("auto")
     return bad
 
@@ -115,7 +178,7 @@ def main():
     args = ap.parse_args()
     lib = sa.ops.load_cuda_kernels()
     sm80 = torch.cuda.get_device_capability()[0] >= 8
-    todo, want_attn, want_comb = cells(("rf-m8n8k4", "rf-m16n8k16") if sm80 else ("rf-m8n8k4",))
+    todo, want_attn, want_comb = cells(RF_KINDS if sm80 else RF_KINDS[:1])
     if args.only:
         todo = [t for t in todo if args.only in t[1]]
         want_attn = {
@@ -143,7 +206,8 @@ def main():
             "ok" if ok else "NOT FINITE or other splits",
         )
     lib.set_kernel_override("auto")
-    # store_kv: the 8-element path (aligned rows) and the element path (an odd head dim stride)
+    # store_kv (STORE_KV_CELLS): the 8-element path (aligned rows) and the element path (an odd
+    # head dim stride)
     key = torch.randn(6, 2, 64, device="cuda").half()
     kc = torch.zeros(4, 16, 2, 64, dtype=FP8, device="cuda")
     slots = torch.tensor([0, 5, -1, 63, 17, 5], device="cuda")
@@ -151,7 +215,9 @@ def main():
     odd = torch.randn(6, 2, 65, device="cuda").half()[..., 1:]
     sa.store_kv(odd, odd, kc, kc.clone(), slots)
     torch.cuda.synchronize()
-    bad += varlen_cells(lib, ("m8n8k4", "m16n8k16") if sm80 else ("m8n8k4",), args.only)
+    bad += varlen_cells(lib, sm80, args.only)
+    if not args.only or args.only in "mma atom":
+        bad += atom_cells(sm80)
     bad += sweep(args.sweep)
     missing = sorted(want_attn - seen_attn) + sorted(want_comb - seen_comb)
     print(f"{len(todo)} cells, {len(seen_attn)} attention and {len(seen_comb)} combine kernels")

@@ -303,7 +303,35 @@ def _for_line(insns) -> str | None:
 
 
 FOR = re.compile(r"for \(int (\w+) = (\d+); \1 < ([^;]+); \+\+\1\)")
-KERNEL_CONSTANTS = re.compile(r"^\s*constexpr (?:int|bool) [^;]*;$", re.M)
+# a function's constants (and the type aliases they use) in a kernel header
+KERNEL_CONSTANTS = re.compile(r"^\s*constexpr (int|bool) ([^;]*);$|^\s+using (\w+) = [^;]*;$", re.M)
+
+
+def kernel_constants(text: str) -> str:
+    """A header's function-scope constexprs and type aliases, as members of a probe struct. The
+    kernels' pieces are functions of their own (paged_attention.cuh's QK^T and PV tiles, the
+    softmax.h steps), several of which declare a name (ROWS = KT::ROWS): it is taken once, and
+    dropped where two functions disagree on it."""
+    seen, out, clash = {}, [], set()
+    for m in KERNEL_CONSTANTS.finditer(text):
+        if m.group(3):  # using NAME = ...;
+            if m.group(3) not in seen:
+                seen[m.group(3)] = m.group(0).strip()
+                out.append(m.group(0).strip())
+            continue
+        keep = []
+        for d in re.split(r",\s*(?=\w+\s*=)", m.group(2)):
+            name, expr = (x.strip() for x in d.split("=", 1))
+            if name not in seen:
+                seen[name] = expr
+                keep.append(d.strip())
+            elif seen[name] != expr:
+                clash.add(name)
+        if keep:
+            out.append(f"static constexpr {m.group(1)} {', '.join(keep)};")
+    return "\n".join(
+        ln for ln in out if not any(re.match(rf"static constexpr \w+ {c} =", ln) for c in clash)
+    )
 
 
 def constants(arch, prelude: str, exprs: list) -> list:
@@ -323,22 +351,35 @@ def constants(arch, prelude: str, exprs: list) -> list:
 
 
 def trip_counts(arch, traits: str, header: str, loops: list) -> list:
-    """Trip count of each `for (int i = A; i < BOUND; ++i)` in `loops` (source lines), BOUND
-    evaluated by NVRTC for these traits in the scope of the kernel's own constexprs (copied
-    from its header into a probe struct); None where the form or the evaluation fails."""
+    """Trip count of each `for (int i = A; i < BOUND; ++i)` in `loops` (source lines, "file:line
+    for ..."), BOUND evaluated by NVRTC for these traits in the scope of the constexprs of the
+    file the loop is in (copied into a probe struct: kernel_constants; `header`, the kernel's,
+    is included, and stands for a loop without a file); None where the form or the evaluation
+    fails."""
     forms = [FOR.search(f or "") for f in loops]
     if not traits or not any(forms):
         return [None] * len(loops)
-    text = open(os.path.join(_jit.csrc_dir(), "sm70attn", header)).read()
-    consts = "\n".join("static " + c.strip() for c in KERNEL_CONSTANTS.findall(text))
-    members = "".join(
-        f"static constexpr long long value_{i} = ({m.group(3)}) - {m.group(2)};\n"
-        for i, m in enumerate(forms)
-        if m
-    )
-    prelude = f'#include "sm70attn/{header}"\ntemplate <class KT> struct Probe {{\n{consts}\n{members}}};\n'
-    exprs = [f"Probe<{traits}>::value_{i}" if m else None for i, m in enumerate(forms)]
-    return constants(arch, prelude, exprs)
+    files = [(f or "").split(":")[0] if ":" in (f or "") else header for f in loops]
+    out = [None] * len(loops)
+    for src in sorted({files[i] for i, m in enumerate(forms) if m}):
+        mine = [i for i, m in enumerate(forms) if m and files[i] == src]
+        text = open(os.path.join(_jit.csrc_dir(), "sm70attn", src)).read()
+        members = "".join(
+            f"static constexpr long long value_{i} = ({forms[i].group(3)}) - {forms[i].group(2)};\n"
+            for i in mine
+        )
+        prelude = (
+            f'#include "sm70attn/{header}"\nnamespace sm70attn {{\ntemplate <class KT> struct Probe {{\n'
+            f"{kernel_constants(text)}\n{members}}};\n}}\n"
+        )
+        exprs = [
+            f"sm70attn::Probe<{traits}>::value_{i}" if i in mine else None
+            for i in range(len(loops))
+        ]
+        for i, v in enumerate(constants(arch, prelude, exprs)):
+            if i in mine:
+                out[i] = v
+    return out
 
 
 def disassemble(args):
@@ -378,11 +419,9 @@ def disassemble(args):
     r = analyse(kernels[entry], rare_lines(header))
     r["regs"] = regs
     inner = r.get("inner_loops", [])
-    # the loops' constants are those of the header their `for` is in (varlen.cuh's kernel runs
-    # paged_attention.cuh's tile loop)
-    files = {(x.get("for") or "").split(":")[0] for x in inner} - {""}
-    src = files.pop() if len(files) == 1 else header
-    trips = trip_counts(arch, traits, src, [x["for"] for x in inner])
+    # each loop's constants are those of the file its `for` is in (varlen.cuh's kernel runs
+    # paged_attention.cuh's tile loop, whose softmax passes are softmax.h's)
+    trips = trip_counts(arch, traits, header, [x["for"] for x in inner])
     for x, n in zip(inner, trips, strict=True):
         x["trips"] = None if n is None else -(-n // x["step"])  # trips of the unrolled loop
     if "main_loop" in r and all(x["trips"] is not None for x in inner):

@@ -11,8 +11,8 @@ and launches them through the driver API (nothing of this module runs on a launc
 keeps each kernel's CUfunction).
 
 A kernel is a family and its integer parameters (`Kernel`); every one the launcher can pick is
-listed by `kernels()`, from the X-lists of csrc/sm70attn/static_switch.h, which the launcher
-dispatches through. `cubin()` compiles one kernel alone (0.1-1 s; NVRTC releases the GIL, so
+listed by `kernels()`, from the registration list csrc/sm70attn/registry.h (its families and
+their instances), which the launcher dispatches through. `cubin()` compiles one kernel alone (0.1-1 s; NVRTC releases the GIL, so
 threads compile in parallel) and caches it on disk under the build directory of the source
 digest, one folder per architecture and NVRTC version; `fetch()` is what the binding calls for a
 kernel it has not loaded yet on a device. `gate()` holds a build to the SM70 rules (no spills, 96
@@ -48,61 +48,65 @@ FORBIDDEN = re.compile(
     r"\b(cp\.async\S*|ldmatrix\S*|mma\.sync\.aligned\.m16n8k\S*|\S+\.bf16\S*|\S+\.e4m3\S*|\S+\.e5m2\S*)"
 )
 
-# family: (header, kernel template, traits type, display name); parameters fill the {}.
-FAMILIES = {
-    "attn": (
-        "paged_attention.cuh",
-        "sm70attn::paged_attention_kernel<{t}>",
-        "sm70attn::AttnTraits<{0}, {1}, {2}>",
-        "attn D{0} MB{1} VEC{2}",
-    ),
-    "attn-rf-m8n8k4": (
-        "paged_attention_rf.cuh",
-        "sm70attn::paged_attention_rf_kernel<{t}, sm70attn::MmaM8N8K4>",
-        "sm70attn::AttnRfTraits<{0}, {1}, {2}>",
-        "attn-rf D{0} MB{1} VEC{2} m8n8k4",
-    ),
-    "attn-rf-m16n8k16": (
-        "paged_attention_rf.cuh",
-        "sm70attn::paged_attention_rf_kernel<{t}, sm70attn::MmaM16N8K16>",
-        "sm70attn::AttnRfTraits<{0}, {1}, {2}>",
-        "attn-rf D{0} MB{1} VEC{2} m16n8k16",
-    ),
-    "combine": (
-        "combine.cuh",
-        "sm70attn::combine_kernel<{t}>",
-        "sm70attn::CombineTraits<{0}, {1}>",
-        "combine D{0} WPR{1}",
-    ),
-    "attn-varlen": (
-        "varlen.cuh",
-        "sm70attn::paged_attention_varlen_kernel<{t}>",
-        "sm70attn::AttnTraits<{0}, {1}, {2}>",
-        "attn-varlen D{0} MB{1} VEC{2}",
-    ),
-    "combine-varlen": (
-        "varlen.cuh",
-        "sm70attn::combine_varlen_kernel<{t}>",
-        "sm70attn::CombineVarlenTraits<{0}>",
-        "combine-varlen D{0}",
-    ),
-    "prefill-m8n8k4": (
-        "prefill.cuh",
-        "sm70attn::prefill_kernel<{t}, sm70attn::MmaM8N8K4>",
-        "sm70attn::PrefillTraits<{0}, {1}>",
-        "prefill D{0} VEC{1} m8n8k4",
-    ),
-    "prefill-m16n8k16": (
-        "prefill.cuh",
-        "sm70attn::prefill_kernel<{t}, sm70attn::MmaM16N8K16>",
-        "sm70attn::PrefillTraits<{0}, {1}>",
-        "prefill D{0} VEC{1} m16n8k16",
-    ),
-    "store_kv": ("store_kv.cuh", "sm70attn::store_kv_kernel", "", "store_kv"),
-    "mma": ("mma_check.cuh", "sm70attn::mma_check_kernel<sm70attn::{t}>", "", "mma atom {t}"),
-}
-ATOMS = {884: "MmaM8N8K4", 8844: "MmaM8N8K4RowRow", 16816: "MmaM16N8K16"}
-ATOM_NAMES = {884: "m8n8k4", 8844: "m8n8k4 row.row", 16816: "m16n8k16"}
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One entry of the registration list (csrc/sm70attn/registry.h: SM70ATTN_FAMILIES)."""
+
+    id: str  # its enumerator (sm70attn::Family)
+    name: str  # the loader's family name
+    kind: str  # the attention kernel kind it is ("" for the others)
+    header: str
+    kernel: str  # C++ name in namespace sm70attn; {t}: the traits type
+    traits: str  # traits template
+    display: str  # {0}..: the parameters; {atom}: the MMA atom's name
+    instances: str  # the X-list macro of its instances
+
+
+ATOM_NAMES = {884: "m8n8k4", 8844: "m8n8k4 row.row", 16816: "m16n8k16"}  # (display names only)
+
+_ENTRY = re.compile(
+    r'X\(\s*(\w+),\s*"([^"]*)",\s*"([^"]*)",\s*"([^"]*)",\s*"([^"]*)",\s*(\w+),\s*"([^"]*)",\s*(\w+)\)'
+)
+
+
+def _registry_text() -> str:
+    return (_jit.csrc_dir() / "sm70attn" / "registry.h").read_text()
+
+
+def _macro_body(text: str, macro: str) -> str:
+    m = re.search(rf"#define {macro}\(X\)((?:.*\\\n)*.*)", text)
+    if not m:
+        raise RuntimeError(f"{macro} not found in registry.h")
+    return m.group(1).replace("\\\n", " ")
+
+
+@functools.cache
+def families() -> dict[str, Family]:
+    """The registration list's families, by loader name, in the list's order."""
+    entries = _ENTRY.findall(_macro_body(_registry_text(), "SM70ATTN_FAMILIES"))
+    if not entries:
+        raise RuntimeError("no X(...) entry read from SM70ATTN_FAMILIES in registry.h")
+    return {e[1]: Family(*e) for e in entries}
+
+
+FAMILIES = families()
+
+
+def switch_entries(macro: str) -> list[tuple[int, ...]]:
+    """The X(...) entries of one instance list of registry.h, as int tuples: (D, MB, VEC) of
+    SM70ATTN_ATTN_KERNELS and SM70ATTN_RF_KERNELS, (D, WPR) of SM70ATTN_COMBINE_KERNELS, () of
+    store_kv's."""
+    body = _macro_body(_registry_text(), macro)
+    return [
+        tuple(int(v) for v in e.split(",") if v.strip())
+        for e in re.findall(r"X\(([\d,\s]*)\)", body)
+    ]
+
+
+def instances(family: str) -> list[tuple[int, ...]]:
+    """The parameters of every listed instance of a family."""
+    return switch_entries(FAMILIES[family].instances)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,50 +116,32 @@ class Kernel:
 
     @property
     def header(self) -> str:
-        return FAMILIES[self.family][0]
+        return FAMILIES[self.family].header
 
     @property
     def traits(self) -> str:
-        """The traits type (the launcher's THREADS and SMEM_BYTES), "" for kernels without."""
-        return FAMILIES[self.family][2].format(*self.params)
+        """The traits type (the launcher's THREADS and SMEM_BYTES)."""
+        f = FAMILIES[self.family]
+        return f"sm70attn::{f.traits}<{', '.join(map(str, self.params))}>"
 
     @property
     def expr(self) -> str:
         """The kernel's C++ name, as NVRTC instantiates it."""
-        t = ATOMS[self.params[0]] if self.family == "mma" else self.traits
-        return FAMILIES[self.family][1].format(t=t)
+        return "sm70attn::" + FAMILIES[self.family].kernel.format(t=self.traits)
 
     @property
     def name(self) -> str:
-        if self.family == "mma":
-            return FAMILIES["mma"][3].format(t=ATOM_NAMES[self.params[0]])
-        return FAMILIES[self.family][3].format(*self.params)
-
-
-def switch_entries(macro: str) -> list[tuple[int, ...]]:
-    """The X(...) entries of one kernel list of static_switch.h, as int tuples: (D, MB, VEC) of
-    SM70ATTN_ATTN_KERNELS and SM70ATTN_RF_KERNELS, (D, WPR) of SM70ATTN_COMBINE_KERNELS."""
-    text = (_jit.csrc_dir() / "sm70attn" / "static_switch.h").read_text()
-    m = re.search(rf"#define {macro}\(X\)((?:.*\\\n)*.*)", text)
-    if not m:
-        raise RuntimeError(f"{macro} not found in static_switch.h")
-    return [tuple(map(int, e.split(","))) for e in re.findall(r"X\(([\d,\s]+)\)", m.group(1))]
+        f = FAMILIES[self.family]
+        atom = ATOM_NAMES.get(self.params[0], "") if self.params else ""
+        return f.display.format(*self.params, atom=atom)
 
 
 @functools.cache
 def kernels() -> tuple[Kernel, ...]:
-    """Every kernel the launcher can pick (csrc/launch.h), in a fixed order. The m16n8k16 RF and
-    prefill kernels and atom check are built for every arch: before SM80 they compile to a trap."""
-    out = [Kernel("attn", e) for e in switch_entries("SM70ATTN_ATTN_KERNELS")]
-    for e in switch_entries("SM70ATTN_RF_KERNELS"):
-        out += [Kernel("attn-rf-m8n8k4", e), Kernel("attn-rf-m16n8k16", e)]
-    out += [Kernel("combine", e) for e in switch_entries("SM70ATTN_COMBINE_KERNELS")]
-    out += [Kernel("attn-varlen", e) for e in switch_entries("SM70ATTN_VARLEN_KERNELS")]
-    out += [Kernel("combine-varlen", e) for e in switch_entries("SM70ATTN_COMBINE_VARLEN_KERNELS")]
-    for e in switch_entries("SM70ATTN_PREFILL_KERNELS"):
-        out += [Kernel("prefill-m8n8k4", e), Kernel("prefill-m16n8k16", e)]
-    out += [Kernel("store_kv")] + [Kernel("mma", (s,)) for s in ATOMS]
-    return tuple(out)
+    """Every kernel the launcher can pick (csrc/launch.h): every instance of every family of the
+    registration list, in its order. The m16n8k16 RF kernels and atom check are built for every
+    arch: before SM80 they compile to a trap."""
+    return tuple(Kernel(name, e) for name in FAMILIES for e in instances(name))
 
 
 def arch_of(capability: tuple[int, int]) -> str:
@@ -437,7 +423,7 @@ def fetch(family: str, params: tuple, device: int) -> tuple[bytes, str]:
     kernel = Kernel(family, tuple(int(p) for p in params))
     if kernel not in kernels():
         raise RuntimeError(
-            f"torch_sm70attn: the binding asked for {kernel}, which static_switch.h does not list"
+            f"torch_sm70attn: the binding asked for {kernel}, which registry.h does not list"
         )
     with _compile_lock:  # two threads' first calls compile a kernel once
         c = cubin(kernel, device_arch(device))

@@ -8,8 +8,10 @@
 
 namespace {
 
-// Names of the kernel kinds, by sm70attn::AttnKind (set_kernel_override takes them, plan() reports them).
-constexpr const char* kKindNames[] = {"wmma", "rf-m8n8k4", "rf-m16n8k16"};
+// Names of the kernel kinds, by sm70attn::AttnKind (set_kernel_override takes them, plan() reports
+// them): the registry's (csrc/sm70attn/registry.h).
+constexpr const char* const* kKindNames = sm70attn::kFamilyKinds;
+constexpr int kKinds = sm70attn::kAttnKinds;
 
 // The attention kernel kind of a call (sm70attn::attn_default_kind), or the one
 // set_kernel_override forces where it applies (tests and A/B runs). Shapes outside
@@ -29,23 +31,24 @@ int kernel_kind(int device, int d, int mb, i64 capacity) {
 int prefill_kind(int device) {
   const int forced = g_prefill.load();
   const int cc = device_info(device).cc;
-  if (forced < 0) return cc >= 80 ? sm70attn::PREFILL_M16N8K16 : sm70attn::PREFILL_M8N8K4;
+  if (forced == kPrefillAuto) return cc >= 80 ? sm70attn::PREFILL_M16N8K16 : sm70attn::PREFILL_M8N8K4;
   TORCH_CHECK_VALUE(forced != sm70attn::PREFILL_M16N8K16 || cc >= 80,
                     msg("paged_attention_varlen: set_prefill_override('m16n8k16') needs SM80 or newer, device ", device,
                         " is SM", cc, "; set 'auto' or 'm8n8k4'"));
   return forced;
 }
 
-// sm70attn::prefill_ctas_per_sm, cached per (device, kind, D, vec): the query loads the kernel.
-int prefill_occupancy(const sm70attn::Launcher& l, int kind, int d, int vec) {
-  static std::atomic<int> cache[sm70attn::kMaxDevices][3][3][2];  // 0: not yet asked
-  const int device = l.device;
-  if (device < 0 || device >= sm70attn::kMaxDevices || kind < 1 || kind > 2 || (d != 64 && d != 128 && d != 256))
-    return sm70attn::prefill_ctas_per_sm(l, kind, d, vec);
-  std::atomic<int>& c = cache[device][kind][d == 64 ? 0 : d == 128 ? 1 : 2][vec == 16];
+// sm70attn::prefill_ctas_per_sm, cached per (device, family, D, vec): the query loads the kernel.
+int prefill_occupancy(const sm70attn::Launcher& l, int family, int d, int vec) {
+  static std::atomic<int> cache[sm70attn::kMaxDevices][2][3][2];  // 0: not yet asked
+  const int device = l.device, m16 = family == sm70attn::PREFILL_M16N8K16;
+  if (device < 0 || device >= sm70attn::kMaxDevices || (!m16 && family != sm70attn::PREFILL_M8N8K4) ||
+      (d != 64 && d != 128 && d != 256))
+    return sm70attn::prefill_ctas_per_sm(l, family, d, vec);
+  std::atomic<int>& c = cache[device][m16][d == 64 ? 0 : d == 128 ? 1 : 2][vec == 16];
   int n = c.load(std::memory_order_relaxed);
   if (n == 0) {
-    n = std::max(sm70attn::prefill_ctas_per_sm(l, kind, d, vec), 1);
+    n = std::max(sm70attn::prefill_ctas_per_sm(l, family, d, vec), 1);
     c.store(n, std::memory_order_relaxed);
   }
   return n;
@@ -53,9 +56,9 @@ int prefill_occupancy(const sm70attn::Launcher& l, int kind, int d, int vec) {
 
 // sm70attn::attn_ctas_per_sm, cached per (device, kind, D, mb, vec): the query loads the kernel.
 int ctas_per_sm(const sm70attn::Launcher& l, int kind, int d, int mb, int vec) {
-  static std::atomic<int> cache[sm70attn::kMaxDevices][3][3][9][2];  // 0: not yet asked
+  static std::atomic<int> cache[sm70attn::kMaxDevices][kKinds][3][9][2];  // 0: not yet asked
   const int device = l.device;
-  if (device < 0 || device >= sm70attn::kMaxDevices || kind < 0 || kind > 2 || mb < 1 || mb > 8 ||
+  if (device < 0 || device >= sm70attn::kMaxDevices || kind < 0 || kind >= kKinds || mb < 1 || mb > 8 ||
       (d != 64 && d != 128 && d != 256))
     return sm70attn::attn_ctas_per_sm(l, kind, d, mb, vec);
   std::atomic<int>& c = cache[device][kind][d == 64 ? 0 : d == 128 ? 1 : 2][mb][vec == 16];

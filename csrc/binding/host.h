@@ -39,9 +39,10 @@ std::atomic<int> g_plan_sms{0}, g_plan_sm_smem{0};
 // Test and A/B hook (set_kernel_override): the kernel kind (sm70attn::AttnKind) forced on the
 // calls where the register-fragment kernel applies (sm70attn::attn_uses_rf); -1: the default.
 std::atomic<int> g_kernel{-1};
-// Test and A/B hook (set_prefill_override): the prefill kernel of paged_attention_varlen
-// (sm70attn::PrefillKind; PREFILL_OFF: the tile loop takes every request); -1: the default.
-std::atomic<int> g_prefill{-1};
+// Test and A/B hook (set_prefill_override): the prefill kernel of paged_attention_varlen (its
+// family, or sm70attn::kNoPrefill: the tile loop takes every request); kPrefillAuto: the default.
+constexpr int kPrefillAuto = -2;
+std::atomic<int> g_prefill{kPrefillAuto};
 
 // Error messages are built with std::to_string, not iostreams: a toolchain whose libstdc++
 // differs from torch's (seen on one GPU machine) crashed formatting integers through

@@ -213,7 +213,7 @@ at::Tensor paged_attention_varlen(const at::Tensor& query, const at::Tensor& key
   if (const int sms = g_plan_sms.load(); sms > 0) num_sms = sms;
   const int ctas = std::max(1, sm70attn::varlen_ctas_per_sm(l, (int)D, vec));
   const int prefill = prefill_kind(device);
-  const int pf_ctas = prefill == sm70attn::PREFILL_OFF ? 0 : std::max(1, prefill_occupancy(l, prefill, (int)D, vec));
+  const int pf_ctas = prefill == sm70attn::kNoPrefill ? 0 : std::max(1, prefill_occupancy(l, prefill, (int)D, vec));
   const sm70attn::VarlenPlan plan =
       sm70attn::plan_paged_attention_varlen(T, B, (int)H_q, (int)H_kv, (int)D, capacity, num_sms, ctas, pf_ctas);
   TORCH_CHECK_VALUE(std::max(plan.tiles, plan.pf_tiles) * H_kv <= INT_MAX,

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "sm70attn/mma_atoms.h"
+#include "sm70attn/traits.h"
 
 namespace sm70attn {
 

@@ -19,6 +19,7 @@
 #pragma once
 
 #include "sm70attn/cta.h"
+#include "sm70attn/epilogue.h"
 #include "sm70attn/kv_tile.h"
 #include "sm70attn/mma_atoms.h"
 #include "sm70attn/params.h"
@@ -196,21 +197,14 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   const int rb = warp / TG, tg = warp % TG;
 
   const int split = blockIdx.y;
-  const CtaSpan cta = cta_span<ROWS, N>(p, split);
+  PagedCta<KT> cta;  // paged_attention's CTA (cta.h), its values kept in registers or shared memory below
+  cta.init(p, split, smem);
   const int b = cta.b, kvh = cta.kvh, row0 = cta.row0, nrows = cta.nrows, len = cta.len;
   const i64 out_row0 = cta.out_row0;
   const int t_begin = cta.t_begin, t_end = cta.t_end;
 
-  // Where local row lr goes: out, or with splits the split's fp16 partial row (params.h).
-  auto dst_row = [&](i64 row0, int sp, int lr) {
-    return p.num_splits == 1 ? p.out + (row0 + lr) * D : p.part_acc + ((row0 + lr) * p.num_splits + sp) * D;
-  };
-  if (t_begin >= t_end) {  // as paged_attention.cuh: zero rows, or an empty partial
-    for (int c = tid; c < nrows * (D / 8); c += KT::THREADS)
-      *reinterpret_cast<uint4*>(dst_row(out_row0, split, c / (D / 8)) + c % (D / 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
-    if (p.num_splits > 1)
-      for (int lr = tid; lr < nrows; lr += KT::THREADS)
-        p.part_ml[(out_row0 + lr) * p.num_splits + split] = make_float2(neg_inf(), 0.f);
+  if (t_begin >= t_end) {
+    store_empty<KT>(p, cta, tid);
     return;
   }
 
@@ -219,11 +213,7 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
   for (int c = tid; c < ROWS * (D / 8); c += KT::THREADS) {
     const int lr = c / (D / 8), part = c % (D / 8);
     uint4 x = make_uint4(0u, 0u, 0u, 0u);
-    if (lr < nrows) {
-      const int m = row0 + lr, g = fastdiv(m, p.div_q), r = m - g * p.Q;
-      const __half* src = p.q + b * p.q_stride_b + (i64)(kvh * p.G + g) * p.q_stride_h + r * p.q_stride_r + part * 8;
-      x = load_q8(src, p.q_vec16);
-    }
+    if (lr < nrows) x = load_q8(cta.q_row(p, lr, part), p.q_vec16);
     uint2* dst = reinterpret_cast<uint2*>(Qs + lr / 8 * KT::Q_GROUP + lr % 8 * KT::QLD + part * 8);
     dst[0] = make_uint2(__byte_perm(x.x, x.y, 0x5410), __byte_perm(x.x, x.y, 0x7632));
     dst[1] = make_uint2(__byte_perm(x.z, x.w, 0x5410), __byte_perm(x.z, x.w, 0x7632));
@@ -238,13 +228,10 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
 
   const float sl2 = p.scale_log2 * __ldg(p.k_scale + kvh * p.k_scale_stride) * 256.f;
 
-  // Each row's last visible token (t <= len - Q + r; padding rows none) and the values the
+  // Each row's last visible position (cta.h: last_visible; padding rows none) and the values the
   // epilogue needs go to shared memory (ordered by the loop's first barrier): registers held
   // across the tile loop are what two CTAs per SM70 SM lack.
-  for (int lr = tid; lr < ROWS; lr += KT::THREADS) {
-    const int m = row0 + lr;
-    last_s[lr] = lr < nrows ? len - p.Q + m - fastdiv(m, p.div_q) * p.Q : -1;
-  }
+  for (int lr = tid; lr < ROWS; lr += KT::THREADS) last_s[lr] = PagedCta<KT>::last_of(p, row0, nrows, len, lr);
   if (tid == 0) {
     meta[0] = out_row0, meta[1] = (i64)split | (i64)nrows << 32;
     meta[2] = reinterpret_cast<i64>(p.k + kvh * p.k_stride_head);
@@ -395,14 +382,12 @@ __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
       const float f = red[lr * TG];
       const float4 e0 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8);
       const float4 e1 = *reinterpret_cast<const float4*>(Es + lr * KT::ELD + part * 8 + 4);
-      *reinterpret_cast<uint4*>(dst_row(e_row0, e_split, lr) + h * HD + part * 8) =
-          make_uint4(pack_half2(e0.x * f, e0.z * f), pack_half2(e0.y * f, e0.w * f),
-                     pack_half2(e1.x * f, e1.z * f), pack_half2(e1.y * f, e1.w * f));
+      *reinterpret_cast<uint4*>(PagedCta<KT>::dst_row_of(p, e_row0, e_split, lr) + h * HD + part * 8) = pack8(e0, e1, f);
     }
   }
   if (p.num_splits > 1)
     for (int lr = reg_again<TID_X>(); lr < e_nrows; lr += KT::THREADS)
-      p.part_ml[(e_row0 + lr) * p.num_splits + e_split] = make_float2(row_m[lr], row_l[lr]);
+      *PagedCta<KT>::ml_slot_of(p, e_row0, lr, e_split) = make_float2(row_m[lr], row_l[lr]);
 }
 
 }  // namespace sm70attn

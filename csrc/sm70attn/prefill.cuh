@@ -18,6 +18,7 @@
 #pragma once
 
 #include "sm70attn/cta.h"
+#include "sm70attn/epilogue.h"
 #include "sm70attn/kv_tile.h"
 #include "sm70attn/mma_atoms.h"
 #include "sm70attn/params.h"
@@ -199,93 +200,233 @@ struct PfOps<MmaM16N8K16> {
   }
 };
 
-template <class PT, class Atom>
-__global__ void __launch_bounds__(PT::THREADS, PT::MIN_BLOCKS) prefill_kernel(const PagedAttnParams p) {
-  using Ops = PfOps<Atom>;
-  constexpr int D = PT::D, N = PT::N, ROWS = PT::ROWS, NRB = PT::NRB, NR = 2 * NRB, C = PT::CP / 16;
-  constexpr unsigned FULL = 0xffffffffu;
+// The prefill kernel's shared memory, by name (traits.h: PrefillTraits).
+template <class PT>
+struct PfSmem {
+  unsigned char* base;
+  __device__ __half* q() const { return reinterpret_cast<__half*>(base + PT::Q_OFF); }  // [ROWS][QLD]
+  __device__ __half* k() const { return reinterpret_cast<__half*>(base + PT::K_OFF); }  // [N][KLD]
+  __device__ __half* v() const { return reinterpret_cast<__half*>(base + PT::V_OFF); }  // [N][KLD] (over K at D 256)
+  __device__ __half* p() const { return reinterpret_cast<__half*>(base + PT::P_OFF); }  // [ROWS][PLD]
+  __device__ float* red() const { return reinterpret_cast<float*>(base + PT::RED_OFF); }  // [ROWS][4]
+  __device__ float* alpha() const { return reinterpret_cast<float*>(base + PT::ALPHA_OFF); }  // [ROWS]
+  __device__ int* moved() const { return reinterpret_cast<int*>(base + PT::MOVED_OFF); }  // [4]
+  __device__ int* tok_ok() const { return reinterpret_cast<int*>(base + PT::TOK_OFF); }  // [N]
+  // the KV head's K and V bases and the request's block table row (read back where used:
+  // registers held across the tile loop are what 16 warps of 128 registers lack)
+  __device__ i64* meta() const { return reinterpret_cast<i64*>(base + PT::META_OFF); }
+  __device__ int* last() const { return reinterpret_cast<int*>(base + PT::LAST_OFF); }  // [ROWS]
+  __device__ float* e() const { return reinterpret_cast<float*>(base); }  // [ROWS][ELD], epilogue only
+};
 
-  extern __shared__ __align__(128) unsigned char smem[];
-  __half* Qs = reinterpret_cast<__half*>(smem + PT::Q_OFF);      // [ROWS][QLD]
-  __half* Ks = reinterpret_cast<__half*>(smem + PT::K_OFF);      // [N][KLD]
-  __half* Vs = reinterpret_cast<__half*>(smem + PT::V_OFF);      // [N][KLD] (over K at D 256)
-  __half* Ps = reinterpret_cast<__half*>(smem + PT::P_OFF);      // [ROWS][PLD]
-  float* red = reinterpret_cast<float*>(smem + PT::RED_OFF);     // [ROWS][4]
-  float* alpha_s = reinterpret_cast<float*>(smem + PT::ALPHA_OFF);  // [ROWS]
-  int* moved = reinterpret_cast<int*>(smem + PT::MOVED_OFF);     // [4]
-  int* tok_ok = reinterpret_cast<int*>(smem + PT::TOK_OFF);      // [N]
-  // The KV head's K and V bases and the request's block table row (read back where used:
-  // registers held across the tile loop are what 16 warps of 128 registers lack).
-  i64* meta = reinterpret_cast<i64*>(smem + PT::META_OFF);
-  int* last_s = reinterpret_cast<int*>(smem + PT::LAST_OFF);    // [ROWS]
-  float* Es = reinterpret_cast<float*>(smem);                    // [ROWS][ELD], epilogue only
-
-  const int tid = threadIdx.x, lane = tid & 31;
-  // The grid runs the tiles backwards: a request's last tiles, which see the most tokens, start
-  // first (and the grid's empty tail, past the last tile, at once).
-  auto cta_x = [&] { return (int)gridDim.x - 1 - reg_again<CTAID_X>(); };
-  const int tile = fastdiv(cta_x(), p.div_hkv), kvh = cta_x() - tile * p.H_kv, split = blockIdx.y;
-  const VarlenTile vt = varlen_scan<16 * varlen_row_blocks(), ROWS, true>(p, tile, reinterpret_cast<int*>(smem + PT::TILE_OFF));
-  if (vt.b() < 0 || split >= vt.splits()) return;  // (CTA-uniform) past the last tile or split
-
-  // The CTA's rows, what they see (row m of the request, token m / G, sees t <= len - q + m / G:
-  // the first row the fewest, the last the most) and its split's tokens; and where a local row
-  // goes: out, or with splits the split's fp16 partial row (params.h). From vt (shared memory)
-  // where used.
-  auto nrows = [&] { return min(ROWS, vt.q() * p.G - vt.row0()); };
-  auto row_last = [&](int lr) { return vt.len() - vt.q() + fastdiv(vt.row0() + lr, p.div_g); };
-  auto dst_row = [&](int lr, int sp, int h0) {
-    const int m = vt.row0() + lr, i = fastdiv(m, p.div_g), h = h0 + m - i * p.G;
-    return vt.splits() == 1 ? p.out + ((i64)(vt.start() + i) * p.H_q + h) * D
-                            : p.part_acc + ((((i64)vt.unit() * 8 + i) * p.H_q + h) * p.split_cap + sp) * D;
-  };
-  auto ml_slot = [&](int lr, int sp, int h0) {
-    const int m = vt.row0() + lr, i = fastdiv(m, p.div_g), h = h0 + m - i * p.G;
-    return p.part_ml + (((i64)vt.unit() * 8 + i) * p.H_q + h) * p.split_cap + sp;
-  };
-  const int seen = min(vt.len(), max(0, row_last(nrows() - 1) + 1));
-  const int chunk = ((seen + vt.splits() - 1) / vt.splits() + N - 1) / N * N;
-  const int t_begin = min(seen, split * chunk), t_end = min(seen, t_begin + chunk);
-  if (vt.splits() > 1 && kvh == 0 && split == 0 && tid == 0)  // the heads of the request's units (varlen.cuh)
-    for (int i = (vt.row0() + 8 * p.G - 1) / (8 * p.G) * 8; i * p.G < vt.row0() + nrows(); i += 8) {
-      int* h = p.unit_head + 4 * (vt.unit() + i / 8);
-      h[0] = vt.start() + i, h[1] = min(8, vt.q() - i), h[2] = vt.splits(), h[3] = vt.b();
-    }
-  if (t_begin >= t_end) {  // nothing to see: zero rows, or an empty partial (m = -inf, l = 0, O = 0)
-    for (int c = tid; c < nrows() * (D / 8); c += PT::THREADS)
-      *reinterpret_cast<uint4*>(dst_row(c / (D / 8), split, kvh * p.G) + c % (D / 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
-    if (vt.splits() > 1)
-      for (int lr = tid; lr < nrows(); lr += PT::THREADS) *ml_slot(lr, split, kvh * p.G) = make_float2(neg_inf(), 0.f);
-    return;
-  }
-
-  // Q rows -> fp16 shared memory, D permuted within groups of 4 like K and V (e4m3.h);
-  // padding rows are zero.
-  for (int c = tid; c < ROWS * (D / 8); c += PT::THREADS) {
+// Q rows -> fp16 shared memory, D permuted within groups of 4 like K and V (e4m3.h), padding rows
+// zero; each row's last visible token (cta.last: -1 for padding rows) and the gather's bases.
+template <class PT, class Cta>
+__device__ __forceinline__ void pf_prologue(const PagedAttnParams& p, const Cta& cta, PfSmem<PT> sm, int tid) {
+  constexpr int D = PT::D;
+  for (int c = tid; c < PT::ROWS * (D / 8); c += PT::THREADS) {
     const int lr = c / (D / 8), part = c % (D / 8);
-    uint4 x = make_uint4(0u, 0u, 0u, 0u);
-    if (lr < nrows()) {
-      const int m = vt.row0() + lr, i = fastdiv(m, p.div_g), g = m - i * p.G;
-      x = load_q8(p.q + (i64)(vt.start() + i) * p.q_stride_b + (i64)(kvh * p.G + g) * p.q_stride_h + part * 8,
-                  p.q_vec16);
-    }
-    *reinterpret_cast<uint4*>(Qs + lr * PT::QLD + part * 8) =
+    const uint4 x = lr < cta.nrows ? load_q8(cta.q_row(p, lr, part), p.q_vec16) : make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(sm.q() + lr * PT::QLD + part * 8) =
         make_uint4(__byte_perm(x.x, x.y, 0x5410), __byte_perm(x.x, x.y, 0x7632),
                    __byte_perm(x.z, x.w, 0x5410), __byte_perm(x.z, x.w, 0x7632));
   }
-  for (int lr = tid; lr < ROWS; lr += PT::THREADS) last_s[lr] = lr < nrows() ? row_last(lr) : -1;
+  for (int lr = tid; lr < PT::ROWS; lr += PT::THREADS) sm.last()[lr] = cta.last(p, lr);
   if (tid == 0) {
-    meta[0] = reinterpret_cast<i64>(p.k + kvh * p.k_stride_head);
-    meta[1] = reinterpret_cast<i64>(p.v + kvh * p.v_stride_head);
-    meta[2] = reinterpret_cast<i64>(p.block_table + vt.b() * p.bt_stride_b);
+    sm.meta()[0] = reinterpret_cast<i64>(p.k + cta.kvh * p.k_stride_head);
+    sm.meta()[1] = reinterpret_cast<i64>(p.v + cta.kvh * p.v_stride_head);
+    sm.meta()[2] = reinterpret_cast<i64>(p.block_table + cta.b * p.bt_stride_b);
   }
-  // The gather's bases (this thread's first chunk added) and the warp's tiles, read again
-  // where used.
+}
+
+// S = Q K^T of the warp's tile (rq, cq), in log2 units, masked where the tile is not whole (the
+// causal limit of each of the lane's rows and the tokens on invalid pages: ok_lo / ok_hi, a bit a
+// token); the rows' maxima over the warp's 16 keys -> red[row][cq].
+template <class PT, class Ops>
+__device__ __forceinline__ void pf_scores(float (&s)[PT::NRB][8], PfSmem<PT> sm, int rq, int cq, int lane, int t0,
+                                          bool whole, unsigned ok_lo, unsigned ok_hi, float sl2) {
+  constexpr int NRB = PT::NRB, NR = 2 * NRB;
+  constexpr unsigned FULL = 0xffffffffu;
+  Ops::template qk<PT>(s, sm.q() + rq * PT::RQ * PT::QLD, sm.k() + 16 * cq * PT::KLD, lane);
+  float mx[NR];
+#pragma unroll
+  for (int k = 0; k < NR; ++k) mx[k] = neg_inf();
+  if (whole) {
+#pragma unroll
+    for (int j = 0; j < NRB; ++j)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        s[j][i] *= sl2;
+        mx[Ops::s_slot(j, i)] = fmaxf(mx[Ops::s_slot(j, i)], s[j][i]);
+      }
+  } else {  // the causal limit and the page flags (padding rows see nothing) // (not a whole tile's)
+    // Bit k of vis[r]: the lane's row r sees the warp's key k (of 16): a valid page, at most
+    // the row's last token.
+    const unsigned ok16 = ((cq < 2 ? ok_lo : ok_hi) >> 16 * (cq & 1)) & 0xffffu;
+    unsigned vis[NR];
+#pragma unroll
+    for (int k = 0; k < NR; ++k) {
+      const int lim = sm.last()[rq * PT::RQ + Ops::template s_row<PT>(lane, k / 2, 2 * (k % 2))] - t0 - 16 * cq;
+      vis[k] = ok16 & (lim >= 15 ? 0xffffu : lim < 0 ? 0u : (2u << lim) - 1u);
+    }
+#pragma unroll
+    for (int j = 0; j < NRB; ++j)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const bool vis_k = vis[Ops::s_slot(j, i)] >> Ops::s_key(lane, i) & 1u;
+        s[j][i] = vis_k ? s[j][i] * sl2 : neg_inf();
+        mx[Ops::s_slot(j, i)] = fmaxf(mx[Ops::s_slot(j, i)], s[j][i]);
+      }
+  }
+#pragma unroll
+  for (int k = 0; k < NR; ++k) {
+    mx[k] = fmaxf(mx[k], __shfl_xor_sync(FULL, mx[k], Ops::XOR0));
+    mx[k] = fmaxf(mx[k], __shfl_xor_sync(FULL, mx[k], Ops::XOR1));
+  }
+  if (Ops::s_writer(lane)) {
+#pragma unroll
+    for (int k = 0; k < NR; ++k)
+      sm.red()[(rq * PT::RQ + Ops::template s_row<PT>(lane, k / 2, 2 * (k % 2))) * 4 + cq] = mx[k];
+  }
+}
+
+// Online softmax with a lazy rescale (paged_attention_rf.cuh): a row's m moves only when the
+// tile's maximum passes it by more than RESCALE_LOG2 (then P <= 2^8, which fp16 holds). The four
+// warps of a row group read the same maxima and hold the same m; a row that has seen nothing
+// (m = -inf) gets p = 0 and alpha = 0 on an O that is 0. P -> shared memory; the rows' alpha and
+// whether one of the row group's moved (O's rescale) from the group's first warp.
+template <class PT, class Ops>
+__device__ __forceinline__ void pf_softmax(float (&s)[PT::NRB][8], float (&m_run)[2 * PT::NRB],
+                                           float (&l_run)[2 * PT::NRB], PfSmem<PT> sm, int rq, int cq, int lane) {
+  constexpr int NRB = PT::NRB, NR = 2 * NRB;
+  constexpr unsigned FULL = 0xffffffffu;
+  bool mv = false;
+  float alpha[NR], m_use[NR];
+#pragma unroll
+  for (int k = 0; k < NR; ++k) {
+    const int lr = rq * PT::RQ + Ops::template s_row<PT>(lane, k / 2, 2 * (k % 2));
+    const float4 r = *reinterpret_cast<const float4*>(sm.red() + lr * 4);
+    const float t_max = fmaxf(fmaxf(r.x, r.y), fmaxf(r.z, r.w));
+    const bool up = t_max > m_run[k] + PT::RESCALE_LOG2;
+    const float m_new = up ? t_max : m_run[k];
+    m_use[k] = m_new == neg_inf() ? 0.f : m_new;
+    alpha[k] = up ? ex2_approx(m_run[k] - m_use[k]) : 1.f;
+    mv |= up && m_run[k] != neg_inf();
+    m_run[k] = m_new;
+    l_run[k] *= alpha[k];
+  }
+#pragma unroll
+  for (int j = 0; j < NRB; ++j)
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      const int k = Ops::s_slot(j, i);
+      const float e0 = ex2_approx(s[j][i] - m_use[k]), e1 = ex2_approx(s[j][i + 1] - m_use[k]);
+      l_run[k] += e0 + e1;
+      *reinterpret_cast<unsigned*>(sm.p() + (rq * PT::RQ + Ops::template s_row<PT>(lane, j, i)) * PT::PLD + 16 * cq +
+                                   Ops::s_key(lane, i)) = pack_half2(e0, e1);
+    }
+  mv = __any_sync(FULL, mv);
+  if (cq == 0) {
+    if (Ops::s_writer(lane)) {
+#pragma unroll
+      for (int k = 0; k < NR; ++k)
+        sm.alpha()[rq * PT::RQ + Ops::template s_row<PT>(lane, k / 2, 2 * (k % 2))] = alpha[k];
+    }
+    if (lane == 0) sm.moved()[rq] = mv;
+  }
+}
+
+// O = alpha O + P V for the warp's tile (rp, cp): O's rows are those of RP / RQ row groups,
+// rescaled when one of them moved.
+template <class PT, class Ops>
+__device__ __forceinline__ void pf_pv(float (&o)[2][PT::CP / 16][8], PfSmem<PT> sm, int rp, int cp, int lane) {
+  constexpr int C = PT::CP / 16, GROUPS = PT::RP / PT::RQ > 1 ? PT::RP / PT::RQ : 1;
+  const int g0 = PT::RP * rp / PT::RQ;
+  bool any = false;
+#pragma unroll
+  for (int g = 0; g < GROUPS; ++g) any |= sm.moved()[g0 + g] != 0;
+  if (any) {  // (not a whole tile's)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; i += 2) {
+        const float a = sm.alpha()[PT::RP * rp + Ops::template o_row<PT>(lane, j, i)];
+#pragma unroll
+        for (int c = 0; c < C; ++c) o[j][c][i] *= a, o[j][c][i + 1] *= a, o[j][c][i + 4] *= a, o[j][c][i + 5] *= a;
+      }
+  }
+  Ops::template pv<PT>(o, sm.p() + PT::RP * rp * PT::PLD, sm.v(), cp, lane);
+}
+
+// After the tile loop: each row's sum (its lanes' shares in a fixed order, then its 4 warps' in
+// warp order) -> red[row] (row_l), m (the same in the 4 warps) -> alpha[row] (row_m), and O
+// staged in shared memory (fp32, [ROWS][ELD]) for epilogue.h.
+template <class PT, class Ops>
+__device__ __forceinline__ void pf_stage(const float (&o)[2][PT::CP / 16][8], float (&m_run)[2 * PT::NRB],
+                                         float (&l_run)[2 * PT::NRB], PfSmem<PT> sm, int warp, int lane) {
+  constexpr int NR = 2 * PT::NRB, C = PT::CP / 16;
+  constexpr unsigned FULL = 0xffffffffu;
+  const int rq = warp / PT::WCQ, cq = warp % PT::WCQ, rp = warp / PT::WCP, cp = warp % PT::WCP;
+#pragma unroll
+  for (int k = 0; k < NR; ++k) {
+    l_run[k] += __shfl_xor_sync(FULL, l_run[k], Ops::XOR0);
+    l_run[k] += __shfl_xor_sync(FULL, l_run[k], Ops::XOR1);
+  }
+  if (Ops::s_writer(lane)) {
+#pragma unroll
+    for (int k = 0; k < NR; ++k) {
+      const int lr = rq * PT::RQ + Ops::template s_row<PT>(lane, k / 2, 2 * (k % 2));
+      sm.red()[lr * 4 + cq] = l_run[k];
+      if (cq == 0) sm.alpha()[lr] = m_run[k];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) {
+        float* e = sm.e() + (PT::RP * rp + Ops::template o_row<PT>(lane, j, i)) * PT::ELD +
+                   Ops::template o_col<PT>(lane, cp, c, i);
+        *reinterpret_cast<float2*>(e) = make_float2(o[j][c][i], o[j][c][i + 1]);
+      }
+  __syncthreads();
+  const int t = reg_again<TID_X>();
+  const float4 r = t < PT::ROWS ? *reinterpret_cast<const float4*>(sm.red() + t * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+  __syncthreads();
+  if (t < PT::ROWS) sm.red()[t] = ((r.x + r.y) + r.z) + r.w;
+  __syncthreads();
+}
+
+// The CTA: where it works (VarlenCta<PT, true>: the scan, its rows, its split's tokens), the
+// prologue, per KV tile (register-staged gather, pf_scores, pf_softmax, pf_pv), then O staged and
+// epilogue.h's output or partials.
+template <class PT, class Atom>
+__global__ void __launch_bounds__(PT::THREADS, PT::MIN_BLOCKS) prefill_kernel(const PagedAttnParams p) {
+  using Ops = PfOps<Atom>;
+  constexpr int N = PT::N, NR = 2 * PT::NRB, C = PT::CP / 16;
+  constexpr unsigned FULL = 0xffffffffu;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const PfSmem<PT> sm{smem};
+  const int tid = threadIdx.x, lane = tid & 31;
+
+  int t_begin, t_end, first_last;
+  float sl2;
+  {
+    VarlenCta<PT, true> cta;
+    if (!cta.init(p, blockIdx.y, smem)) return;
+    cta.prologue(p, tid);
+    if (cta.t_begin >= cta.t_end) return store_empty<PT>(p, cta, tid);
+    pf_prologue<PT>(p, cta, sm, tid);
+    t_begin = cta.t_begin, t_end = cta.t_end, first_last = cta.last(p, 0);
+    sl2 = p.scale_log2 * __ldg(p.k_scale + cta.kvh * p.k_scale_stride) * 256.f;
+  }
+  // The gather's bases (this thread's first chunk added) and the warp, read again where used.
   const int part0 = KvStage<PT>::part0(tid) * PT::VEC;
-  auto kbase = [&] { return reinterpret_cast<const unsigned char*>(meta[0]) + part0; };
-  auto vbase = [&] { return reinterpret_cast<const unsigned char*>(meta[1]) + part0; };
-  auto btab = [&] { return reinterpret_cast<const int*>(meta[2]); };
-  auto wq = [&] { return reg_again<TID_X>() >> 5; };  // the warp: (rq, cq) = (w / 4, w % 4), (rp, cp) = (w / WCP, w % WCP)
+  auto kbase = [&] { return reinterpret_cast<const unsigned char*>(sm.meta()[0]) + part0; };
+  auto vbase = [&] { return reinterpret_cast<const unsigned char*>(sm.meta()[1]) + part0; };
+  auto btab = [&] { return reinterpret_cast<const int*>(sm.meta()[2]); };
+  auto wq = [&] { return reg_again<TID_X>() >> 5; };
 
   float o[2][C][8];  // O[rows 32 rp + o_row][columns o_col], unnormalised
 #pragma unroll
@@ -298,196 +439,48 @@ __global__ void __launch_bounds__(PT::THREADS, PT::MIN_BLOCKS) prefill_kernel(co
 #pragma unroll
   for (int k = 0; k < NR; ++k) m_run[k] = neg_inf(), l_run[k] = 0.f;
 
-  const float sl2 = p.scale_log2 * __ldg(p.k_scale + kvh * p.k_scale_stride) * 256.f;
-  const int first_last = row_last(0);
-
   // The register stage holds the next tile's K and V (one page lookup a token for both); at
   // D 256 its V waits in registers until every warp is done with K (V over K).
   KvStage<PT> st;
-  __syncthreads();  // Q, meta and last_s stored
+  __syncthreads();  // Q, meta and the rows' limits stored
   st.load(p, kbase(), vbase(), btab(), t_begin, t_end, tid);
   for (int t0 = t_begin; t0 < t_end; t0 += N) {
     __syncthreads();  // previous tile's PV done with K, V and P
     if constexpr (PT::V_OVER_K) {
-      st.template store_tensor<false>(Ks, tok_ok, reg_again<TID_X>());
+      st.template store_tensor<false>(sm.k(), sm.tok_ok(), reg_again<TID_X>());
     } else {
-      st.store(Ks, Vs, tok_ok, reg_again<TID_X>());
+      st.store(sm.k(), sm.v(), sm.tok_ok(), reg_again<TID_X>());
     }
     __syncthreads();
     if constexpr (!PT::V_OVER_K) {
       if (t0 + N < t_end) st.load(p, kbase(), vbase(), btab(), t0 + N, t_end, reg_again<TID_X>());
     }
     // The tile needs no mask when every row sees all of it and its pages are valid.
-    const unsigned ok_lo = __ballot_sync(FULL, tok_ok[lane]), ok_hi = __ballot_sync(FULL, tok_ok[lane + 32]);
+    const unsigned ok_lo = __ballot_sync(FULL, sm.tok_ok()[lane]), ok_hi = __ballot_sync(FULL, sm.tok_ok()[lane + 32]);
     const bool whole = (ok_lo & ok_hi) == FULL && t0 + N - 1 <= first_last;
     const int rq = wq() / PT::WCQ, cq = wq() % PT::WCQ;
-
-    float s[NRB][8];
-    Ops::template qk<PT>(s, Qs + rq * PT::RQ * PT::QLD, Ks + 16 * cq * PT::KLD, lane);
-    float mx[NR];
-#pragma unroll
-    for (int k = 0; k < NR; ++k) mx[k] = neg_inf();
-    if (whole) {
-#pragma unroll
-      for (int j = 0; j < NRB; ++j)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          s[j][i] *= sl2;
-          mx[Ops::s_slot(j, i)] = fmaxf(mx[Ops::s_slot(j, i)], s[j][i]);
-        }
-    } else {  // the causal limit and the page flags (padding rows see nothing) // (not a whole tile's)
-      // Bit k of vis[r]: the lane's row r sees the warp's key k (of 16): a valid page, at most
-      // the row's last token.
-      const unsigned ok16 = ((cq < 2 ? ok_lo : ok_hi) >> 16 * (cq & 1)) & 0xffffu;
-      unsigned vis[NR];
-#pragma unroll
-      for (int k = 0; k < NR; ++k) {
-        const int lim = last_s[rq * PT::RQ + Ops::template s_row<PT>(lane, k / 2, 2 * (k % 2))] - t0 - 16 * cq;
-        vis[k] = ok16 & (lim >= 15 ? 0xffffu : lim < 0 ? 0u : (2u << lim) - 1u);
-      }
-#pragma unroll
-      for (int j = 0; j < NRB; ++j)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const bool vis_k = vis[Ops::s_slot(j, i)] >> Ops::s_key(lane, i) & 1u;
-          s[j][i] = vis_k ? s[j][i] * sl2 : neg_inf();
-          mx[Ops::s_slot(j, i)] = fmaxf(mx[Ops::s_slot(j, i)], s[j][i]);
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < NR; ++k) {
-      mx[k] = fmaxf(mx[k], __shfl_xor_sync(FULL, mx[k], Ops::XOR0));
-      mx[k] = fmaxf(mx[k], __shfl_xor_sync(FULL, mx[k], Ops::XOR1));
-    }
-    if (Ops::s_writer(lane)) {
-#pragma unroll
-      for (int k = 0; k < NR; ++k)
-        red[(rq * PT::RQ + Ops::template s_row<PT>(lane, k / 2, 2 * (k % 2))) * 4 + cq] = mx[k];
-    }
+    float s[PT::NRB][8];
+    pf_scores<PT, Ops>(s, sm, rq, cq, lane, t0, whole, ok_lo, ok_hi, sl2);
     __syncthreads();  // every warp done with K; the maxima are in red
-
     if constexpr (PT::V_OVER_K) {
-      st.template store_tensor<true>(Ks, tok_ok, reg_again<TID_X>());  // V over K
+      st.template store_tensor<true>(sm.k(), sm.tok_ok(), reg_again<TID_X>());  // V over K
       if (t0 + N < t_end) st.load(p, kbase(), vbase(), btab(), t0 + N, t_end, reg_again<TID_X>());
     }
-    // Online softmax with a lazy rescale (paged_attention_rf.cuh): the four warps of a row group
-    // read the same maxima and hold the same m; a row that has seen nothing (m = -inf) gets
-    // p = 0 and alpha = 0 on an O that is 0.
-    bool mv = false;
-    float alpha[NR], m_use[NR];
-#pragma unroll
-    for (int k = 0; k < NR; ++k) {
-      const int lr = rq * PT::RQ + Ops::template s_row<PT>(lane, k / 2, 2 * (k % 2));
-      const float4 r = *reinterpret_cast<const float4*>(red + lr * 4);
-      const float t_max = fmaxf(fmaxf(r.x, r.y), fmaxf(r.z, r.w));
-      const bool up = t_max > m_run[k] + PT::RESCALE_LOG2;
-      const float m_new = up ? t_max : m_run[k];
-      m_use[k] = m_new == neg_inf() ? 0.f : m_new;
-      alpha[k] = up ? ex2_approx(m_run[k] - m_use[k]) : 1.f;
-      mv |= up && m_run[k] != neg_inf();
-      m_run[k] = m_new;
-      l_run[k] *= alpha[k];
-    }
-#pragma unroll
-    for (int j = 0; j < NRB; ++j)
-#pragma unroll
-      for (int i = 0; i < 8; i += 2) {
-        const int k = Ops::s_slot(j, i);
-        const float e0 = ex2_approx(s[j][i] - m_use[k]), e1 = ex2_approx(s[j][i + 1] - m_use[k]);
-        l_run[k] += e0 + e1;
-        *reinterpret_cast<unsigned*>(Ps + (rq * PT::RQ + Ops::template s_row<PT>(lane, j, i)) * PT::PLD + 16 * cq +
-                                     Ops::s_key(lane, i)) = pack_half2(e0, e1);
-      }
-    mv = __any_sync(FULL, mv);
-    if (cq == 0) {
-      if (Ops::s_writer(lane)) {
-#pragma unroll
-        for (int k = 0; k < NR; ++k) alpha_s[rq * PT::RQ + Ops::template s_row<PT>(lane, k / 2, 2 * (k % 2))] = alpha[k];
-      }
-      if (lane == 0) moved[rq] = mv;
-    }
+    pf_softmax<PT, Ops>(s, m_run, l_run, sm, rq, cq, lane);
     __syncthreads();  // P, alpha and V stored
-
-    // O = alpha O + P V. O's rows are those of RP / RQ row groups: rescaled when one moved.
-    const int rp = wq() / PT::WCP, cp = wq() % PT::WCP;
-    {
-      constexpr int GROUPS = PT::RP / PT::RQ > 1 ? PT::RP / PT::RQ : 1;
-      const int g0 = PT::RP * rp / PT::RQ;
-      bool any = false;
-#pragma unroll
-      for (int g = 0; g < GROUPS; ++g) any |= moved[g0 + g] != 0;
-      if (any) {  // (not a whole tile's)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; i += 2) {
-            const float a = alpha_s[PT::RP * rp + Ops::template o_row<PT>(lane, j, i)];
-#pragma unroll
-            for (int c = 0; c < C; ++c) o[j][c][i] *= a, o[j][c][i + 1] *= a, o[j][c][i + 4] *= a, o[j][c][i + 5] *= a;
-          }
-      }
-    }
-    Ops::template pv<PT>(o, Ps + PT::RP * rp * PT::PLD, Vs, cp, lane);
+    pf_pv<PT, Ops>(o, sm, wq() / PT::WCP, wq() % PT::WCP, lane);
   }
 
-  // Epilogue. Each row's sum: its lanes' shares (in a fixed order), then its 4 warps' in warp
-  // order; m is the same in the 4 warps.
   __syncthreads();  // every warp done with Q, K, V, P and red's maxima
-  {
-    const int rq = wq() / PT::WCQ, cq = wq() % PT::WCQ;
-#pragma unroll
-    for (int k = 0; k < NR; ++k) {
-      l_run[k] += __shfl_xor_sync(FULL, l_run[k], Ops::XOR0);
-      l_run[k] += __shfl_xor_sync(FULL, l_run[k], Ops::XOR1);
-    }
-    if (Ops::s_writer(lane)) {
-#pragma unroll
-      for (int k = 0; k < NR; ++k) {
-        const int lr = rq * PT::RQ + Ops::template s_row<PT>(lane, k / 2, 2 * (k % 2));
-        red[lr * 4 + cq] = l_run[k];
-        if (cq == 0) alpha_s[lr] = m_run[k];
-      }
-    }
+  pf_stage<PT, Ops>(o, m_run, l_run, sm, wq(), lane);
+  VarlenCta<PT, true> cta;  // again, from the tile in shared memory
+  const int x = VarlenCta<PT, true>::cta_x(), tile = fastdiv(x, p.div_hkv);
+  cta.at(p, VarlenTile{VarlenCta<PT, true>::tile_smem(smem)}, x - tile * p.H_kv, reg_again<CTAID_Y>());
+  if (cta.splits(p) == 1) {
+    store_out<PT>(p, cta, sm.e(), sm.red(), reg_again<TID_X>());
+  } else {
+    store_partials<PT>(p, cta, sm.e(), sm.alpha(), sm.red(), reg_again<TID_X>());
   }
-  {
-    const int rp = wq() / PT::WCP, cp = wq() % PT::WCP;
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int c = 0; c < C; ++c)
-#pragma unroll
-        for (int i = 0; i < 8; i += 2) {
-          float* e = Es + (PT::RP * rp + Ops::template o_row<PT>(lane, j, i)) * PT::ELD + Ops::template o_col<PT>(lane, cp, c, i);
-          *reinterpret_cast<float2*>(e) = make_float2(o[j][c][i], o[j][c][i + 1]);
-        }
-  }
-  __syncthreads();
-  // Each row's sum and the factor its O takes (red's first column, once read): out's
-  // normalisation (* v_scale * 2^8), or the split's partial's (params.h).
-  const int e_kvh = cta_x() - fastdiv(cta_x(), p.div_hkv) * p.H_kv;
-  const int e_split = reg_again<CTAID_Y>();
-  const float vsc = __ldg(p.v_scale + e_kvh * p.v_scale_stride) * 256.f;
-  for (int i = reg_again<TID_X>(); i < ROWS; i += PT::THREADS) {
-    const float4 r = *reinterpret_cast<const float4*>(red + i * 4);
-    const float l = ((r.x + r.y) + r.z) + r.w;
-    red[i * 4] = vt.splits() > 1 ? partial_scale(l) : l > 0.f ? vsc / l : 0.f;
-    red[i * 4 + 1] = l;
-  }
-  __syncthreads();
-  // fp16 rows of out or of the split's partials, columns in the permuted D order (e4m3.h):
-  // positions 0..3 hold d0, d2, d1, d3.
-  for (int c = reg_again<TID_X>(); c < nrows() * (D / 8); c += PT::THREADS) {
-    const int lr = c / (D / 8), part = c % (D / 8);
-    const float f = red[lr * 4];
-    const float4 e0 = *reinterpret_cast<const float4*>(Es + lr * PT::ELD + part * 8);
-    const float4 e1 = *reinterpret_cast<const float4*>(Es + lr * PT::ELD + part * 8 + 4);
-    *reinterpret_cast<uint4*>(dst_row(lr, e_split, e_kvh * p.G) + part * 8) =
-        make_uint4(pack_half2(e0.x * f, e0.z * f), pack_half2(e0.y * f, e0.w * f),
-                   pack_half2(e1.x * f, e1.z * f), pack_half2(e1.y * f, e1.w * f));
-  }
-  if (vt.splits() > 1)
-    for (int lr = reg_again<TID_X>(); lr < nrows(); lr += PT::THREADS)
-      *ml_slot(lr, e_split, e_kvh * p.G) = make_float2(alpha_s[lr], red[lr * 4 + 1]);
 }
 
 }  // namespace sm70attn

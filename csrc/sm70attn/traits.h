@@ -2,6 +2,8 @@
 // (head dim D, row blocks MB of 16 query rows per CTA, KV load width VEC bytes).
 #pragma once
 
+#include "sm70attn/registry.h"
+
 namespace sm70attn {
 
 // Largest MB one CTA takes; more rows are split into row groups (KV read once per group).
@@ -116,8 +118,9 @@ __host__ __device__ constexpr bool attn_uses_rf(int d, int mb) { return d == 256
 
 // Which attention kernel a call runs: the WMMA kernel (paged_attention.cuh), or the
 // register-fragment one (paged_attention_rf.cuh) on m8n8k4 (SM70's atom; newer GPUs run it as
-// ptxas emulates it) or on m16n8k16 (SM80+).
-enum AttnKind : int { ATTN_WMMA = 0, ATTN_RF_M8N8K4 = 1, ATTN_RF_M16N8K16 = 2 };
+// ptxas emulates it) or on m16n8k16 (SM80+). A kind is its kernel's family (registry.h: ATTN_WMMA,
+// ATTN_RF_M8N8K4, ATTN_RF_M16N8K16, the first kAttnKinds families).
+using AttnKind = Family;
 
 // The kind a call takes unless set_kernel_override says otherwise, on a GPU of compute
 // capability cc (10 major + minor) with a cache of `capacity` tokens per request (a shape: never
@@ -270,7 +273,25 @@ constexpr int kPrefillMinQ = 16;
 
 // store_kv: one thread quantizes 8 consecutive elements (or single elements on the slow path).
 struct StoreKVTraits {
-  static constexpr int THREADS = 256;
+  static constexpr int THREADS = 256, SMEM_BYTES = 0;
+};
+// (the registry's form: a family's traits take its parameters, and store_kv has none)
+template <int...>
+using StoreKVTraitsOf = StoreKVTraits;
+
+// The MMA atom check (mma_check.cuh, tests): one warp runs the atom of SHAPE (mma_atoms.h), 884
+// m8n8k4, 8844 m8n8k4 with B row-major, 16816 m16n8k16.
+struct MmaM8N8K4;
+struct MmaM8N8K4RowRow;
+struct MmaM16N8K16;
+template <int SHAPE> struct MmaAtomOf;
+template <> struct MmaAtomOf<884> { using type = MmaM8N8K4; };
+template <> struct MmaAtomOf<8844> { using type = MmaM8N8K4RowRow; };
+template <> struct MmaAtomOf<16816> { using type = MmaM16N8K16; };
+template <int SHAPE>
+struct MmaCheckTraits {
+  using Atom = typename MmaAtomOf<SHAPE>::type;
+  static constexpr int THREADS = 32, SMEM_BYTES = 0;
 };
 
 }  // namespace sm70attn

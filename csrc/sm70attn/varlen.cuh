@@ -1,17 +1,19 @@
 // paged_attention_varlen: packed requests of any row counts (prompts, chunks over a past,
-// decodes, verifies) in one launch of the attention kernel's tile loop (paged_attention.cuh,
-// VARLEN: 64-row tiles of a request's position-major rows, causal, varlen.h), then, where a
-// request split its context, combine_varlen_kernel over its units.
+// decodes, verifies) in one launch of the attention kernel's CTA (paged_attention.cuh:
+// attend_cta) over varlen.h's VarlenCta (64-row tiles of a request's position-major rows,
+// causal), then, where a request split its context, combine_varlen_kernel over its units.
 #pragma once
 
 #include "sm70attn/paged_attention.cuh"
+#include "sm70attn/varlen.h"
 
 namespace sm70attn {
 
+// The tile loop: a CTA per (tile, KV head) and split (VarlenCta).
 template <class KT>
 __global__ void __launch_bounds__(KT::THREADS, KT::MIN_BLOCKS)
     paged_attention_varlen_kernel(const PagedAttnParams p) {
-  attend_cta<KT, true>(p);
+  attend_cta<KT, VarlenCta<KT>>(p);
 }
 
 // The combine of split requests: CTA u takes unit u's 8 tokens x H_q rows (none if its head says

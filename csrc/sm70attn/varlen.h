@@ -15,8 +15,10 @@
 // units (else it runs unsplit: the same values, other roundings).
 #pragma once
 
+#include "sm70attn/cta.h"
 #include "sm70attn/params.h"
 #include "sm70attn/traits.h"
+#include "sm70attn/utils.h"
 
 namespace sm70attn {
 
@@ -98,5 +100,94 @@ __device__ __forceinline__ VarlenTile varlen_scan(const PagedAttnParams& p, int 
   __syncthreads();
   return VarlenTile{sh};
 }
+
+// paged_attention_varlen's CTA (cta.h's interface), of its tile loop (PREFILL false: varlen.cuh)
+// or of its prefill kernel (PREFILL: prefill.cuh, which runs the grid backwards: a request's last
+// tiles, which see the most tokens, start first, and the grid's empty tail at once): blockIdx.x
+// is (tile, KV head), blockIdx.y the context split; rows position-major (m = i G + g: token i of
+// the request, query head kvh G + g), out [T, H_q, D], a split request's partials by unit
+// (params.h). The tile's values other than its rows and tokens are read again from shared memory
+// at each use (VarlenTile; at(): the CTA again from them, after the tile loop).
+template <class KT, bool PREFILL = false>
+struct VarlenCta {
+  int b, kvh;
+  int row0, nrows;
+  int len;
+  int t_begin, t_end;
+  int split;
+  int row_end;  // row0 + nrows (one sum: the split's tokens and the unit heads both read it)
+  VarlenTile vt{nullptr};
+
+  // Where the scan hands the CTA its tile (7 ints of shared memory).
+  static __device__ __forceinline__ int* tile_smem(unsigned char* smem) {
+    if constexpr (PREFILL) {
+      return reinterpret_cast<int*>(smem + KT::TILE_OFF);
+    } else {
+      return reinterpret_cast<int*>(smem + KT::SMEM_BYTES);
+    }
+  }
+  // blockIdx.x, backwards for the prefill kernel.
+  static __device__ __forceinline__ int cta_x() {
+    if constexpr (PREFILL) {
+      return (int)gridDim.x - 1 - reg_again<CTAID_X>();
+    } else {
+      return blockIdx.x;
+    }
+  }
+
+  __device__ __forceinline__ bool init(const PagedAttnParams& p, int split_, unsigned char* smem) {
+    const int tile = fastdiv(cta_x(), p.div_hkv);
+    const VarlenTile t = varlen_scan<16 * varlen_row_blocks(), prefill_rows(KT::D), PREFILL>(p, tile, tile_smem(smem));
+    return at(p, t, cta_x() - tile * p.H_kv, split_);
+  }
+
+  // The CTA of a scanned tile: its rows and its split's tokens (up to what its last row sees,
+  // causal, split evenly in whole tiles); false past the last tile or split.
+  __device__ __forceinline__ bool at(const PagedAttnParams& p, VarlenTile t, int kvh_, int split_) {
+    vt = t, kvh = kvh_, split = split_;
+    if (vt.b() < 0 || split >= vt.splits()) return false;  // past the last tile or split
+    b = vt.b(), row0 = vt.row0(), nrows = min(KT::ROWS, vt.q() * p.G - row0), len = vt.len();
+    row_end = nrows + row0;
+    const int splits = vt.splits();
+    const int seen = min(len, max(0, last_visible(len - vt.q(), fastdiv(row_end - 1, p.div_g)) + 1));
+    const int chunk = ((seen + splits - 1) / splits + KT::N - 1) / KT::N * KT::N;
+    t_begin = min(seen, split * chunk);
+    t_end = min(seen, t_begin + chunk);
+    return true;
+  }
+
+  // The heads of the request's units, for combine_varlen_kernel (by the CTA whose tile holds
+  // row g = 0 of the unit's first token).
+  __device__ __forceinline__ void prologue(const PagedAttnParams& p, int tid) const {
+    if (vt.splits() > 1 && kvh == 0 && split == 0 && tid == 0)
+      for (int i = (row0 + 8 * p.G - 1) / (8 * p.G) * 8; i * p.G < row_end; i += 8) {
+        int* h = p.unit_head + 4 * (vt.unit() + i / 8);
+        h[0] = vt.start() + i, h[1] = min(8, vt.q() - i), h[2] = vt.splits(), h[3] = b;
+      }
+  }
+  __device__ __forceinline__ int splits(const PagedAttnParams&) const { return vt.splits(); }
+
+  __device__ __forceinline__ const __half* q_row(const PagedAttnParams& p, int lr, int part) const {
+    const int m = row0 + lr, i = fastdiv(m, p.div_g), g = m - i * p.G;
+    return p.q + (i64)(vt.start() + i) * p.q_stride_b + (i64)(kvh * p.G + g) * p.q_stride_h + part * 8;
+  }
+  __device__ __forceinline__ int last(const PagedAttnParams& p, int lr) const {
+    const int m = row0 + lr;
+    return lr < nrows ? last_visible(len - vt.q(), fastdiv(m, p.div_g)) : -1;
+  }
+
+  __device__ __forceinline__ __half* dst_row(const PagedAttnParams& p, int lr) const {
+    const int m = row0 + lr, i = fastdiv(m, p.div_g), h = kvh * p.G + m - i * p.G;
+    return vt.splits() == 1 ? p.out + ((i64)(vt.start() + i) * p.H_q + h) * KT::D
+                            : p.part_acc + ((((i64)vt.unit() * 8 + i) * p.H_q + h) * p.split_cap + split) * KT::D;
+  }
+  // (dst_row: the split count read again, the split the CTA's own)
+  __device__ __forceinline__ __half* out_row(const PagedAttnParams& p, int lr) const { return dst_row(p, lr); }
+  __device__ __forceinline__ __half* part_row(const PagedAttnParams& p, int lr, int) const { return dst_row(p, lr); }
+  __device__ __forceinline__ float2* ml_slot(const PagedAttnParams& p, int lr, int sp) const {
+    const int m = row0 + lr, i = fastdiv(m, p.div_g), h = kvh * p.G + m - i * p.G;
+    return p.part_ml + (((i64)vt.unit() * 8 + i) * p.H_q + h) * p.split_cap + sp;
+  }
+};
 
 }  // namespace sm70attn

@@ -9,6 +9,10 @@
 
 namespace sm70attn { extern unsigned char smem[100 * 1024]; }
 
+// Each launch notes its kernel's family (registry.h); a run prints the families it launched
+// ("families: ..."), and tests/test_emulated_kernels.py checks that its cases launch every one.
+void emu_ran(sm70attn::Family f);
+
 // Each run every CTA of the grid, one after another, on shared memory poisoned with NaN bytes.
 template <class KT> void launch_attn(dim3 grid, const sm70attn::PagedAttnParams& a);
 template <class KT, class At> void launch_attn_rf(dim3 grid, const sm70attn::PagedAttnParams& a);

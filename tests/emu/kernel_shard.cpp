@@ -1,6 +1,9 @@
-// The launchers of one shard of the kernels of static_switch.h: with -DEMU_SHARDS=n -DEMU_SHARD=i,
-// the kernels whose place in the two lists (counted by __COUNTER__) is i mod n; without them, one
-// shard of all. The test compiles the shards in parallel and links them with kernels.cpp.
+// The launchers of one shard of the kernels of the registration list (registry.h: the instance
+// lists below; store_kv and the atom check compile in kernels.cpp): with -DEMU_SHARDS=n
+// -DEMU_SHARD=i, the kernels whose place in the lists (counted by __COUNTER__) is i mod n; without
+// them, one shard of all. The test compiles the shards in parallel and links them with kernels.cpp.
+#include <type_traits>
+
 #include "emu_launch.h"
 #include "sm70attn/combine.cuh"
 #include "emu_atoms.h"
@@ -28,29 +31,34 @@ static void launch(dim3 grid, int threads, F kernel) {
 template <class KT>
 void launch_attn(dim3 grid, const PagedAttnParams& a) {
   static_assert(KT::SMEM_BYTES <= sizeof(smem), "");
+  emu_ran(ATTN_WMMA);
   launch(grid, KT::THREADS, [&] { paged_attention_kernel<KT>(a); });
 }
 
 template <class KT, class At>
 void launch_attn_rf(dim3 grid, const PagedAttnParams& a) {
   static_assert(KT::SMEM_BYTES <= sizeof(smem), "");
+  emu_ran(std::is_same<At, MmaM8N8K4>::value ? ATTN_RF_M8N8K4 : ATTN_RF_M16N8K16);
   launch(grid, KT::THREADS, [&] { paged_attention_rf_kernel<KT, At>(a); });
 }
 
 template <class CT>
 void launch_combine(dim3 grid, const PagedAttnParams& a) {
   static_assert(CT::SMEM_BYTES <= sizeof(smem), "");
+  emu_ran(COMBINE);
   launch(grid, CT::THREADS, [&] { combine_kernel<CT>(a); });
 }
 
 template <class KT>
 void launch_varlen(dim3 grid, const PagedAttnParams& a) {
   static_assert(KT::SMEM_BYTES + kVarlenSmemExtra <= sizeof(smem), "");
+  emu_ran(ATTN_VARLEN);
   launch(grid, KT::THREADS, [&] { paged_attention_varlen_kernel<KT>(a); });
 }
 
 template <class CT>
 void launch_combine_varlen(dim3 grid, const PagedAttnParams& a) {
+  emu_ran(COMBINE_VARLEN);
   launch(grid, CT::THREADS, [&] { combine_varlen_kernel<CT>(a); });
 }
 
@@ -58,6 +66,7 @@ template <class PT, class At>
 void launch_prefill(dim3 grid, const PagedAttnParams& a) {
   static_assert(PT::SMEM_BYTES <= sizeof(smem), "");
   launch(grid, PT::THREADS, [&] { prefill_kernel<PT, At>(a); });
+  emu_ran(std::is_same<At, MmaM8N8K4>::value ? PREFILL_M8N8K4 : PREFILL_M16N8K16);
 }
 
 // Instantiating Shard<T, true> compiles the launcher of T; Shard<T, false> compiles nothing.

@@ -1,5 +1,5 @@
-// The attention and combine kernels of csrc/, run on the CPU and compared with an FP64
-// reference. The headers beside this file stand in for CUDA: emu_runtime.h runs each thread as
+// The kernels of csrc/ (every family of the registration list, registry.h), run on the CPU and
+// compared with an FP64 reference (store_kv: with the nearest E4M3 code). The headers beside this file stand in for CUDA: emu_runtime.h runs each thread as
 // a fiber, scheduled in a random order between barriers (a missing barrier shows as a wrong or
 // schedule-dependent result; mixed barriers as a deadlock), mma.h does WMMA per warp and checks
 // that every lane passed the same inputs. Global buffers are exact-size copies, so
@@ -17,6 +17,9 @@
 namespace sm70attn { alignas(128) unsigned char smem[100 * 1024]; }
 
 using namespace sm70attn;
+
+static bool g_ran[kFamilies];
+void emu_ran(Family f) { g_ran[f] = true; }
 
 static double e4m3_value(unsigned char b) {  // exact value; NaN code as the kernel sees it (480)
   const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
@@ -251,7 +254,7 @@ std::vector<double> varlen_reference(const Problem& p, const Varlen& v) {
 enum VarlenKernelSel { VL_TILES, VL_PREFILL_M8N8K4, VL_PREFILL_M16N8K16 };
 
 template <class At>
-bool prefill_switch(int d, int vec, dim3 grid, const PagedAttnParams& a) {
+bool launch_prefill_of(int d, int vec, dim3 grid, const PagedAttnParams& a) {
 #define PF_CASE(D_, VEC_) \
   if (d == D_ && vec == VEC_) return launch_prefill<PrefillTraits<D_, VEC_>, At>(grid, a), true;
   SM70ATTN_PREFILL_KERNELS(PF_CASE)
@@ -305,8 +308,8 @@ std::vector<unsigned short> run_varlen(Problem& p, Varlen& v, int num_sms, int s
   } else {
     const i64 rows = prefill_rows(p.D), tiles = ((i64)v.T * a.G + rows - 1) / rows + p.B + 1;
     const dim3 grid((unsigned)(tiles * p.H_kv), plan.split_cap);
-    if (!(sel == VL_PREFILL_M8N8K4 ? prefill_switch<MmaM8N8K4>(p.D, vec, grid, a)
-                                   : prefill_switch<MmaM16N8K16>(p.D, vec, grid, a))) abort();
+    if (!(sel == VL_PREFILL_M8N8K4 ? launch_prefill_of<MmaM8N8K4>(p.D, vec, grid, a)
+                                   : launch_prefill_of<MmaM16N8K16>(p.D, vec, grid, a))) abort();
   }
   int used = 0;
   for (int u = 0; u < plan.units; ++u) used += a.unit_head[4 * u + 1] > 0;
@@ -352,6 +355,7 @@ int main(int argc, char** argv) {
       for (auto& x : A) x = __float2half_rn(frand());
       for (auto& x : B) x = __float2half_rn(frand());
       for (auto& x : C) x = frand();
+      emu_ran(MMA_CHECK);
       emu::run_block(dim3(0), dim3(1), 32, [&] { mma_check_kernel<At>(A.data(), B.data(), C.data(), D.data()); });
       double worst = 0;
       for (int g = 0; g < G; ++g)
@@ -370,6 +374,63 @@ int main(int argc, char** argv) {
     atom(MmaM8N8K4{}, "m8n8k4");
     atom(MmaM8N8K4RowRow{}, "m8n8k4 row.row");
     atom(MmaM16N8K16{}, "m16n8k16");
+  }
+  if (want("storekv")) {  // store_kv_kernel on both paths against the nearest code found by search
+    // the e4m3 code of q: the nearest of the finite codes, ties to the even code, beyond 448 the
+    // largest; NaN: 0x7F with the input's sign
+    auto nearest = [](double q, bool neg) -> unsigned char {
+      if (std::isnan(q)) return (unsigned char)(0x7F | (neg ? 0x80 : 0));
+      const double a = std::fabs(q);
+      int best = 0;
+      for (int c = 1; c <= 0x7E; ++c) {
+        const double d = std::fabs(e4m3_value((unsigned char)c) - a), e = std::fabs(e4m3_value((unsigned char)best) - a);
+        if (d < e || (d == e && (c & 1) == 0)) best = c;
+      }
+      return (unsigned char)(best | (std::signbit(q) ? 0x80 : 0));
+    };
+    for (const int vec8 : {1, 0}) {
+      const int T = 7, H = 2, D = vec8 ? 64 : 20, page = 4, P = 5;
+      std::vector<long long> slots = {0, 5, -1, 19, 3, 20, 7};  // -1 and 20 (= P * page) skipped
+      std::vector<unsigned short> key((size_t)T * H * D), value(key.size());
+      int i = 0;
+      for (auto* x : {&key, &value})
+        for (auto& h : *x) {
+          const float f = ++i % 97 == 0 ? NAN : i % 89 == 0 ? 3000.f : i % 13 == 0 ? frand() * 0x1p-12f : frand() * 600;
+          h = __half_as_ushort(__float2half_rn(f));
+        }
+      std::vector<float> ks = {0.75f, 1.25f}, vs = {1.5f, 0.5f};
+      std::vector<unsigned char> kc((size_t)P * page * H * D, 0x55), vc(kc.size(), 0x55);
+      StoreKVParams a{};
+      a.key = reinterpret_cast<const __half*>(key.data()), a.value = reinterpret_cast<const __half*>(value.data());
+      a.key_stride_t = a.value_stride_t = (i64)H * D, a.key_stride_h = a.value_stride_h = D;
+      a.k_cache = kc.data(), a.v_cache = vc.data();
+      a.kc_stride_page = a.vc_stride_page = (i64)page * H * D, a.kc_stride_tok = a.vc_stride_tok = (i64)H * D;
+      a.kc_stride_head = a.vc_stride_head = D;
+      a.slot_mapping = slots.data(), a.slot_stride = 1;
+      a.k_scale = ks.data(), a.v_scale = vs.data(), a.k_scale_stride = a.v_scale_stride = 1;
+      a.T = T, a.H_kv = H, a.D = D, a.page_size = page, a.num_pages = P, a.vec8 = vec8;
+      const i64 items = (i64)T * H * (vec8 ? D / 8 : D);
+      emu_ran(STORE_KV);
+      for (i64 blk = 0; blk * StoreKVTraits::THREADS < items; ++blk)
+        emu::run_block(dim3((unsigned)blk), dim3((unsigned)((items + 255) / 256)), StoreKVTraits::THREADS,
+                       [&] { store_kv_kernel(a); });
+      int bad = 0;
+      std::vector<unsigned char> wk(kc.size(), 0x55), wv(vc.size(), 0x55);
+      for (int t = 0; t < T; ++t) {
+        if (slots[t] < 0 || slots[t] >= P * page) continue;
+        for (int h = 0; h < H; ++h)
+          for (int d = 0; d < D; ++d) {
+            const size_t src = ((size_t)t * H + h) * D + d, dst = ((size_t)slots[t] * H + h) * D + d;
+            const unsigned short k = key[src], v = value[src];
+            wk[dst] = nearest((double)__half2float(__ushort_as_half(k)) / ks[h], k >> 15);
+            wv[dst] = nearest((double)__half2float(__ushort_as_half(v)) / vs[h], v >> 15);
+          }
+      }
+      for (size_t j = 0; j < kc.size(); ++j) bad += (kc[j] != wk[j]) + (vc[j] != wv[j]);
+      failures += bad != 0;
+      printf("storekv %s D%d: %d of %zu cache bytes differ from the nearest codes %s\n", vec8 ? "8-element" : "element",
+             D, bad, 2 * kc.size(), bad ? "FAIL" : "ok");
+    }
   }
   if (want("plan")) {  // host plan over a grid of shapes: bounds, whole waves, B-independence
     int bad = 0, n = 0;
@@ -776,6 +837,9 @@ int main(int argc, char** argv) {
     failures += !(same && alone_ok);
     printf("determinism: schedules %s, batch vs alone %s\n", same ? "same" : "DIFFER", alone_ok ? "same" : "DIFFER");
   }
-  printf("mma calls %lld computed %lld\n%s\n", emu::mma_calls, emu::mma_computed, failures ? "FAILED" : "ALL OK");
+  printf("families:");
+  for (int f = 0; f < kFamilies; ++f)
+    if (g_ran[f]) printf(" %s", kFamilyNames[f]);
+  printf("\nmma calls %lld computed %lld\n%s\n", emu::mma_calls, emu::mma_computed, failures ? "FAILED" : "ALL OK");
   return failures != 0;
 }
