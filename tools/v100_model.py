@@ -882,12 +882,16 @@ def prefill_errors(prm, runs, sass):
     return [(predict_prefill(c, g, sass, prm, kernel=k)["ms"] / ms - 1, c, ms, k) for c, ms, g, k in runs]
 
 
+PREFILL_FIT_MS = 1.0  # cells faster than this are launch-bound (costs the model does not hold): not fitted
+
+
 def fit_prefill(prm, runs, sass) -> dict:
-    """c <kernel> D per kernel and head dim, by least squares on log(predicted / measured) (a
-    scan, then halving steps), the decode fit's other parameters kept."""
+    """c <kernel> D per kernel and head dim, by least squares on log(predicted / measured) over
+    the cells of over PREFILL_FIT_MS (a scan, then halving steps), the decode fit's other
+    parameters kept."""
     out = dict(prm)
     for kernel, D in sorted({(k, c["D"]) for c, _, _, k in runs}):
-        mine = [r for r in runs if r[0]["D"] == D and r[3] == kernel]
+        mine = [r for r in runs if r[0]["D"] == D and r[3] == kernel and r[1] > PREFILL_FIT_MS]
         key = f"c {kernel} D{D}"
 
         def loss(v, key=key, mine=mine):
@@ -911,7 +915,7 @@ def prefill_report(prm, sass, runs) -> tuple[dict, list, list, list]:
     fitted = fit_prefill(prm, runs, sass)
     errs = [e for e, *_ in prefill_errors(fitted, runs, sass)]
     inner = [r for r in runs if r[0]["past"] not in (0, 131072)]
-    outer = [r for r in runs if r[0]["past"] in (0, 131072)]
+    outer = [r for r in runs if r[0]["past"] in (0, 131072) and r[1] > PREFILL_FIT_MS]
     held = (
         [e for e, *_ in prefill_errors(fit_prefill(prm, inner, sass), outer, sass)] if inner else []
     )
@@ -1014,11 +1018,13 @@ def main() -> int:
         pfit, perrs, pheld, prefill = prefill_report(prm, sass, pre_runs)
         print()
         print(
-            f"prefill (paged_attention_varlen): {len(perrs)} cells measured on {', '.join(sorted({r[2] for r in pre_runs}))}, |error| {summary(perrs)}"
+            f"prefill (paged_attention_varlen): {len(perrs)} cells measured on {', '.join(sorted({r[2] for r in pre_runs}))}, "
+            f"fitted on those over {PREFILL_FIT_MS:g} ms, their |error| {summary([e for e, r in zip(perrs, pre_runs) if r[1] > PREFILL_FIT_MS])}; "
+            f"under it (launch-bound) {summary([e for e, r in zip(perrs, pre_runs) if r[1] <= PREFILL_FIT_MS])}"
         )
         if pheld:
             print(
-                f"prefill held out: fitted without the no-past and 128K cells, those |error| {summary(pheld)}"
+                f"prefill held out: fitted without the no-past and 128K cells, those over {PREFILL_FIT_MS:g} ms |error| {summary(pheld)}"
             )
         print(", ".join(f"{k} {v:.3g}" for k, v in pfit.items() if k.startswith(("c varlen", "c prefill"))))
         print(
